@@ -1,0 +1,19 @@
+# EAGLE-3 training data: prompts -> responses -> tokenized -> hidden-state shards.
+# See README.md for usage and DESIGN of the files; logic lives in src/eagle3data.
+
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/model.smk"
+include: "rules/prompts.smk"
+include: "rules/generate.smk"
+include: "rules/tokenize.smk"
+include: "rules/hidden_states.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        final_targets(),

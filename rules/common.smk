@@ -1,0 +1,88 @@
+import json
+import re
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+validate(config, "../config/schema.yaml")
+
+DATASETS = list(config["datasets"])
+WORK_DIR = "results/.work"
+DEMO_MODEL_DIR = "resources/models/SmolLM2-135M-Instruct"
+
+
+wildcard_constraints:
+    dataset="|".join(re.escape(d) for d in DATASETS),
+    shard=r"\d{5}",
+
+
+def canonical(obj):
+    """One stable string per value: key order in YAML must not trigger reruns."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def model_config_file():
+    return f"{config['model']['path']}/config.json"
+
+
+def dataset_config(wildcards):
+    return config["datasets"][wildcards.dataset]
+
+
+def dataset_source(wildcards):
+    return dataset_config(wildcards)["path"]
+
+
+def dataset_format(wildcards):
+    return dataset_config(wildcards)["format"]
+
+
+def dataset_on_invalid(wildcards):
+    return dataset_config(wildcards)["on_invalid"]
+
+
+def dataset_token_budget(wildcards):
+    return dataset_config(wildcards)["token_budget"]
+
+
+def dataset_max_samples(wildcards):
+    return dataset_config(wildcards)["max_samples"]
+
+
+def generation_params(wildcards):
+    """Everything that changes generated content (budgets are separate params)."""
+    return canonical(
+        {
+            "model": config["model"],
+            "generation": config["generation"],
+        }
+    )
+
+
+def tokenize_params(wildcards):
+    return canonical(
+        {
+            "chat_template_kwargs": config["model"]["chat_template_kwargs"],
+            "max_seq_len": config["hidden_states"]["max_seq_len"],
+        }
+    )
+
+
+def hidden_state_params(wildcards):
+    return canonical({"hidden_states": config["hidden_states"], "dtype": config["model"]["dtype"]})
+
+
+def shard_files(wildcards):
+    plan_file = checkpoints.plan_shards.get(dataset=wildcards.dataset).output.plan
+    with open(plan_file) as fh:
+        plan = json.load(fh)
+    return [
+        f"results/hidden_states/{wildcards.dataset}/shard-{s['shard']:05d}.h5"
+        for s in plan["shards"]
+    ]
+
+
+def final_targets():
+    return [f"results/hidden_states/{ds}/manifest.json" for ds in DATASETS]

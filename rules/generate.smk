@@ -1,0 +1,20 @@
+rule generate:
+    input:
+        prompts="results/prompts/{dataset}.parquet",
+        skipped="results/prompts/{dataset}.skipped.jsonl",
+        model=model_config_file(),
+    output:
+        responses="results/responses/{dataset}.jsonl",
+        stats="results/responses/{dataset}.stats.json",
+    log:
+        "logs/generate/{dataset}.log",
+    conda:
+        "../envs/torch.yaml"
+    threads: workflow.cores
+    params:
+        settings=generation_params,
+        token_budget=dataset_token_budget,
+        max_samples=dataset_max_samples,
+        work_dir=WORK_DIR,
+    script:
+        "../scripts/generate.py"

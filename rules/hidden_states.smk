@@ -1,0 +1,50 @@
+checkpoint plan_shards:
+    input:
+        tokenized="results/tokenized/{dataset}.parquet",
+        model=model_config_file(),
+    output:
+        plan="results/hidden_states/{dataset}/plan.json",
+    log:
+        "logs/plan_shards/{dataset}.log",
+    conda:
+        "../envs/torch.yaml"
+    params:
+        settings=hidden_state_params,
+    script:
+        "../scripts/plan_shards.py"
+
+
+rule hidden_states:
+    input:
+        plan="results/hidden_states/{dataset}/plan.json",
+        tokenized="results/tokenized/{dataset}.parquet",
+        tokenize_stats="results/tokenized/{dataset}.stats.json",
+        model=model_config_file(),
+    output:
+        shard="results/hidden_states/{dataset}/shard-{shard}.h5",
+    log:
+        "logs/hidden_states/{dataset}/shard-{shard}.log",
+    conda:
+        "../envs/torch.yaml"
+    threads: workflow.cores
+    params:
+        settings=hidden_state_params,
+    script:
+        "../scripts/extract_hidden_states.py"
+
+
+rule validate:
+    input:
+        shards=shard_files,
+        plan="results/hidden_states/{dataset}/plan.json",
+        responses="results/responses/{dataset}.jsonl",
+        tokenized="results/tokenized/{dataset}.parquet",
+        tokenize_stats="results/tokenized/{dataset}.stats.json",
+    output:
+        manifest="results/hidden_states/{dataset}/manifest.json",
+    log:
+        "logs/validate/{dataset}.log",
+    conda:
+        "../envs/data.yaml"
+    script:
+        "../scripts/validate_shards.py"

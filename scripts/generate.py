@@ -1,0 +1,21 @@
+"""Snakemake script: budget-capped regeneration of one dataset's responses."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
+
+from eagle3data.steps import generate, run_step
+
+run_step(
+    snakemake.log[0],
+    generate,
+    dataset=snakemake.wildcards.dataset,
+    config=snakemake.config,
+    prompts_path=snakemake.input.prompts,
+    skipped_path=snakemake.input.skipped,
+    work_dir=snakemake.params.work_dir,
+    out_responses=snakemake.output.responses,
+    out_stats=snakemake.output.stats,
+    threads=snakemake.threads,
+)

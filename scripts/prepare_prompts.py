@@ -1,0 +1,20 @@
+"""Snakemake script: normalise one prompt source to results/prompts/{dataset}.parquet."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
+
+from eagle3data.steps import prepare_prompts, run_step
+
+run_step(
+    snakemake.log[0],
+    prepare_prompts,
+    dataset=snakemake.wildcards.dataset,
+    source=snakemake.input.source,
+    fmt=snakemake.params.fmt,
+    on_invalid=snakemake.params.on_invalid,
+    shuffle_seed=snakemake.params.shuffle_seed,
+    out_prompts=snakemake.output.prompts,
+    out_skipped=snakemake.output.skipped,
+)

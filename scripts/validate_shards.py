@@ -1,0 +1,20 @@
+"""Snakemake script: check every shard of a dataset and write manifest.json."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
+
+from eagle3data.steps import run_step, validate
+
+run_step(
+    snakemake.log[0],
+    validate,
+    dataset=snakemake.wildcards.dataset,
+    responses_path=snakemake.input.responses,
+    tokenized_path=snakemake.input.tokenized,
+    tokenize_stats_path=snakemake.input.tokenize_stats,
+    plan_path=snakemake.input.plan,
+    shard_paths=list(snakemake.input.shards),
+    out_manifest=snakemake.output.manifest,
+)

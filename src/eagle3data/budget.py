@@ -1,0 +1,115 @@
+"""Budget semantics, as pure functions over (prompt order, finished records).
+
+The final output is the longest prefix of the seeded prompt order, skipping
+permanently failed prompts, whose completion tokens stay within
+``token_budget`` and whose size stays within ``max_samples``. Because it is a
+function of the records alone, it is the same whether or not the run was
+interrupted, and raising or lowering a limit just re-selects from what exists.
+
+Every completion is assumed to cost at least one token (the engines count the
+end-of-turn token), so a prefix that has spent the whole budget is final
+without generating the next prompt.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+StopReason = Literal["exhausted", "token_budget", "max_samples"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What is known about one prompt: its completion tokens, or that it failed."""
+
+    completion_tokens: int
+    failed: bool = False
+
+
+@dataclass(frozen=True)
+class Selection:
+    selected: list[int] = field(default_factory=list)  # positions in the order
+    failed: list[int] = field(default_factory=list)  # failed positions inside the prefix
+    tokens: int = 0
+    complete: bool = False
+    stop_reason: StopReason | None = None
+    frontier: int = 0  # first position not decided yet (== end of prefix when complete)
+
+
+def _limit_reached(
+    selected: int, tokens: int, token_budget: int | None, max_samples: int | None
+) -> StopReason | None:
+    if max_samples is not None and selected >= max_samples:
+        return "max_samples"
+    if token_budget is not None and tokens >= token_budget:
+        return "token_budget"
+    return None
+
+
+def select_prefix(
+    order: Sequence[str],
+    outcomes: Mapping[str, Outcome],
+    *,
+    token_budget: int | None,
+    max_samples: int | None,
+) -> Selection:
+    """The final prefix if it is decided, else the prefix decided so far."""
+    selected: list[int] = []
+    failed: list[int] = []
+    tokens = 0
+    for pos, pid in enumerate(order):
+        reason = _limit_reached(len(selected), tokens, token_budget, max_samples)
+        if reason is not None:
+            return Selection(selected, failed, tokens, True, reason, pos)
+        outcome = outcomes.get(pid)
+        if outcome is None:
+            return Selection(selected, failed, tokens, False, None, pos)
+        if outcome.failed:
+            failed.append(pos)
+            continue
+        if token_budget is not None and tokens + outcome.completion_tokens > token_budget:
+            return Selection(selected, failed, tokens, True, "token_budget", pos)
+        selected.append(pos)
+        tokens += outcome.completion_tokens
+    return Selection(selected, failed, tokens, True, "exhausted", len(order))
+
+
+def plan_dispatch(
+    order: Sequence[str],
+    outcomes: Mapping[str, Outcome],
+    selection: Selection,
+    *,
+    token_budget: int | None,
+    max_samples: int | None,
+    expected_tokens: float,
+    limit: int,
+) -> list[int]:
+    """Positions to generate next (at most ``limit``), in order.
+
+    Walks on from the frontier counting known outcomes exactly and unknown ones
+    at ``expected_tokens`` each, and stops where the limits would be reached:
+    dispatch stops when committed + expected in-flight tokens reach the budget.
+    The first unknown prompt is always included, so progress is guaranteed.
+    """
+    if selection.complete:
+        return []
+    batch: list[int] = []
+    n_selected = len(selection.selected)
+    tokens = float(selection.tokens)
+    for pos in range(selection.frontier, len(order)):
+        if batch and _limit_reached(n_selected, math.ceil(tokens), token_budget, max_samples):
+            break
+        outcome = outcomes.get(order[pos])
+        if outcome is None:
+            batch.append(pos)
+            tokens += expected_tokens
+            n_selected += 1
+            if len(batch) >= limit:
+                break
+        elif not outcome.failed:
+            tokens += outcome.completion_tokens
+            n_selected += 1
+    return batch

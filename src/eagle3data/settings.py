@@ -1,0 +1,84 @@
+"""Config helpers: the content hashes that key sidecars, and model fingerprints.
+
+A generation sidecar is keyed by everything that changes what the engine
+returns for a prompt (model, backend, sampling, seed, chat-template variables)
+and by nothing else: token_budget and max_samples only decide how much of it is
+used, so changing them reuses the sidecar.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+#: Bump when the meaning of a sidecar record changes (invalidates old sidecars).
+GENERATION_FORMAT = 1
+
+# Files whose content defines the model's behaviour; weights are fingerprinted by
+# name and size only, since hashing hundreds of GB of weights per job is not an option.
+_MODEL_TEXT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def content_hash(obj: Any, length: int = 16) -> str:
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:length]
+
+
+def model_fingerprint(model_path: str | Path) -> str:
+    """Hash of a local model directory's config, tokenizer and weight layout."""
+    root = Path(model_path)
+    parts: dict[str, Any] = {}
+    for name in _MODEL_TEXT_FILES:
+        f = root / name
+        if f.is_file():
+            parts[name] = hashlib.sha256(f.read_bytes()).hexdigest()
+    parts["weights"] = sorted(
+        (f.name, f.stat().st_size)
+        for f in root.iterdir()
+        if f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES)
+    )
+    return content_hash(parts)
+
+
+def model_name(model_cfg: Mapping[str, Any]) -> str:
+    return model_cfg.get("name") or Path(model_cfg["path"]).name
+
+
+def generation_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The generation-relevant part of the config (what a params trigger should see)."""
+    gen = config["generation"]
+    return {
+        "model": model_name(config["model"]),
+        "model_path": config["model"]["path"],
+        "dtype": config["model"]["dtype"],
+        "chat_template_kwargs": config["model"]["chat_template_kwargs"],
+        "backend": gen["backend"],
+        "batch_size": gen["batch_size"],
+        "seed": gen["seed"],
+        "sampling": gen["sampling"],
+    }
+
+
+def generation_key(settings: Mapping[str, Any], fingerprint: str) -> str:
+    """Sidecar key: settings that change engine output, plus the model fingerprint.
+
+    The batch size is part of it for the in-process backend: batch composition
+    changes padding and therefore (slightly) the numerics of what is generated.
+    """
+    keyed = {k: v for k, v in settings.items() if k != "model_path"}
+    return content_hash({"format": GENERATION_FORMAT, "model_fingerprint": fingerprint, **keyed})

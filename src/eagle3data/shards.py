@@ -1,0 +1,870 @@
+"""The EAGLE-3 hidden-state shard format: the one module that writes, reads and checks it.
+
+One HDF5 file per shard. The tokens of all conversations are concatenated, so no
+padding is stored; ``sample_offsets`` says where each conversation starts.
+
+=====================  ==========  ==============================================
+dataset                shape       dtype
+=====================  ==========  ==============================================
+``input_ids``          [T]         int32
+``loss_mask``          [T]         uint8 (0 or 1)
+``aux_hidden_states``  [T, 3H]     hidden dtype (see encoding below); the three
+                                   aux layers concatenated in increasing order
+``last_hidden_states`` [T, H]      hidden dtype; final layer *after* the final
+                                   norm, i.e. the lm_head input
+``sample_offsets``     [N+1]       int64; conversation i is rows
+                                   ``offsets[i]:offsets[i+1]``
+``sample_ids``         [N]         variable-length UTF-8 strings
+=====================  ==========  ==============================================
+
+Root attributes: ``format`` = ``"eagle3-hidden-states"``, ``format_version`` = 1,
+``hidden_dtype``, ``hidden_encoding``, ``hidden_size``, ``num_samples``,
+``num_tokens``, plus the caller's provenance (model, tokenizer hash, aux layer ids
+in both conventions, ...). Lists are stored as arrays; dicts as JSON strings,
+whose keys are listed in the ``json_attrs`` attribute.
+
+Hidden-state encoding (``hidden_encoding``):
+
+* float16 / float32: ``"native"`` HDF5 floats.
+* bfloat16: HDF5 has no bfloat16 type, so the raw bits are stored as uint16
+  (``"bfloat16-bits-as-uint16"``). Reading them back without this module::
+
+      u16 = f["aux_hidden_states"][:]  # uint16 bit patterns
+      x = (u16.astype(np.uint32) << 16).view(np.float32)  # numpy, exact
+      t = torch.from_numpy(u16.view(np.int16)).view(torch.bfloat16)  # torch, bit-exact
+
+Shards are written to a hidden temp file next to the target and renamed into
+place only when complete, so a file at the final path is always a whole shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, Self
+
+import h5py
+import numpy as np
+
+from .atomic import atomic_path
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "HiddenDtype",
+    "Shard",
+    "ShardCheck",
+    "ShardFormatError",
+    "ShardWriter",
+    "bytes_per_token",
+    "file_sha256",
+    "open_shard",
+    "validate_shard",
+]
+
+FORMAT_NAME = "eagle3-hidden-states"
+FORMAT_VERSION = 1
+
+HiddenDtype = Literal["bfloat16", "float16", "float32"]
+
+NATIVE_ENCODING = "native"
+BF16_ENCODING = "bfloat16-bits-as-uint16"
+
+_STORAGE_DTYPES: dict[str, np.dtype] = {
+    "bfloat16": np.dtype(np.uint16),
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+}
+_ENCODINGS = {"bfloat16": BF16_ENCODING, "float16": NATIVE_ENCODING, "float32": NATIVE_ENCODING}
+
+_JSON_ATTRS = "json_attrs"
+_RESERVED_ATTRS = frozenset(
+    {
+        "format",
+        "format_version",
+        "hidden_dtype",
+        "hidden_encoding",
+        "hidden_size",
+        "num_samples",
+        "num_tokens",
+        _JSON_ATTRS,
+    }
+)
+_DATASETS = (
+    "input_ids",
+    "loss_mask",
+    "aux_hidden_states",
+    "last_hidden_states",
+    "sample_offsets",
+    "sample_ids",
+)
+# Only filters built into every HDF5, so any reader can decode without plugins.
+_COMPRESSIONS = (None, "gzip", "lzf")
+# ~1 MiB chunks: large enough for streaming throughput, small enough for HDF5's default chunk cache.
+_CHUNK_BYTES = 1 << 20
+# Rows per read when scanning hidden states, to keep validation memory bounded.
+_SCAN_BYTES = 64 << 20
+# Cap per-sample messages so one broken shard doesn't produce a million-line report.
+_MAX_SAMPLE_ERRORS = 20
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+class ShardFormatError(ValueError):
+    """Data that does not fit the shard format (bad shapes, wrong attrs, not a shard)."""
+
+
+# --------------------------------------------------------------------------- write side
+
+
+class ShardWriter:
+    """Streams samples into one shard; the file appears at ``path`` only on a clean exit.
+
+    Usage::
+
+        with ShardWriter(path, hidden_size=H, hidden_dtype="bfloat16", attrs=attrs) as w:
+            w.add(sample_id, input_ids, loss_mask, aux, last)
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        hidden_size: int,
+        hidden_dtype: HiddenDtype,
+        attrs: Mapping[str, Any],
+        compression: str | None = None,
+    ) -> None:
+        hidden_size = _positive_int(hidden_size, "hidden_size")
+        _check_hidden_dtype(hidden_dtype)
+        if compression not in _COMPRESSIONS:
+            raise ValueError(
+                f"compression must be one of {list(_COMPRESSIONS)}, got {compression!r}"
+            )
+        reserved = sorted(_RESERVED_ATTRS.intersection(attrs))
+        if reserved:
+            raise ValueError(f"attrs {reserved} are written by the shard module; do not pass them")
+
+        self.path = Path(path)
+        self.hidden_size = hidden_size
+        self.hidden_dtype: HiddenDtype = hidden_dtype
+        self.compression = compression
+        # Encode now so an unstorable attr fails before any file is created.
+        self._attrs = _encode_attrs(attrs)
+        self._file: h5py.File | None = None
+        self._stack: ExitStack | None = None
+        self._used = False
+        self._offsets: list[int] = [0]
+        self._ids: list[str] = []
+        self._seen: set[str] = set()
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._offsets[-1]
+
+    def __enter__(self) -> Self:
+        if self._used:
+            raise RuntimeError("a ShardWriter can only be used once")
+        self._used = True
+        with ExitStack() as stack:
+            # atomic_path: hidden '.<name>.*.tmp' file, fsync, rename, directory fsync.
+            tmp = stack.enter_context(atomic_path(self.path))
+            f = stack.enter_context(h5py.File(tmp, "w"))
+            self._create_layout(f)
+            self._stack = stack.pop_all()
+        self._file = f
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        f, stack = self._file, self._stack
+        self._file = self._stack = None
+        assert f is not None and stack is not None
+        if exc_type is not None:
+            # Closes the HDF5 file, then atomic_path deletes the temp file; `path` is untouched.
+            stack.__exit__(exc_type, exc, tb)
+            return
+        # Any failure while finishing also goes through the stack, so it too leaves no file.
+        with stack:
+            self._write_index(f)
+
+    def add(
+        self,
+        sample_id: str,
+        input_ids: np.ndarray | torch.Tensor,
+        loss_mask: np.ndarray | torch.Tensor,
+        aux_hidden_states: np.ndarray | torch.Tensor,
+        last_hidden_states: np.ndarray | torch.Tensor,
+    ) -> None:
+        """Append one conversation; hidden states are cast to ``hidden_dtype`` (nearest even)."""
+        f = self._file
+        if f is None:
+            raise RuntimeError("ShardWriter.add() must be called inside its `with` block")
+        if not isinstance(sample_id, str) or not sample_id:
+            raise ShardFormatError(f"sample id must be a non-empty string, got {sample_id!r}")
+        if sample_id in self._seen:
+            raise ShardFormatError(f"sample {sample_id!r}: duplicate sample id in this shard")
+
+        ids = _token_ids(input_ids, sample_id)
+        num_tokens = ids.shape[0]
+        mask = _loss_mask(loss_mask, sample_id, num_tokens)
+        h = self.hidden_size
+        # Check shapes before casting: the cast may be a large device-to-host copy.
+        _check_shape(aux_hidden_states, (num_tokens, 3 * h), "aux_hidden_states", sample_id, "3H")
+        _check_shape(last_hidden_states, (num_tokens, h), "last_hidden_states", sample_id, "H")
+        aux = _to_storage(aux_hidden_states, self.hidden_dtype, "aux_hidden_states", sample_id)
+        last = _to_storage(last_hidden_states, self.hidden_dtype, "last_hidden_states", sample_id)
+        # Fail here rather than in a training job: NaN/inf (e.g. fp16 overflow) is never valid.
+        for name, stored in (("aux_hidden_states", aux), ("last_hidden_states", last)):
+            bad = _nonfinite_rows(stored, self.hidden_dtype)
+            if bad.any():
+                raise ShardFormatError(
+                    f"sample {sample_id!r}: {name} has non-finite values in "
+                    f"{int(bad.sum())} of {num_tokens} rows (as {self.hidden_dtype})"
+                )
+
+        start, stop = self._offsets[-1], self._offsets[-1] + num_tokens
+        for name, data in (
+            ("input_ids", ids),
+            ("loss_mask", mask),
+            ("aux_hidden_states", aux),
+            ("last_hidden_states", last),
+        ):
+            ds = f[name]
+            ds.resize(stop, axis=0)
+            ds[start:stop] = data
+        self._offsets.append(stop)
+        self._ids.append(sample_id)
+        self._seen.add(sample_id)
+
+    def _create_layout(self, f: h5py.File) -> None:
+        f.attrs["format"] = FORMAT_NAME
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["hidden_dtype"] = self.hidden_dtype
+        f.attrs["hidden_encoding"] = _ENCODINGS[self.hidden_dtype]
+        f.attrs["hidden_size"] = self.hidden_size
+        for key, value in self._attrs.items():
+            f.attrs[key] = value
+        storage = _STORAGE_DTYPES[self.hidden_dtype]
+        h = self.hidden_size
+        self._create_rows(f, "input_ids", np.dtype(np.int32), ())
+        self._create_rows(f, "loss_mask", np.dtype(np.uint8), ())
+        self._create_rows(f, "aux_hidden_states", storage, (3 * h,))
+        self._create_rows(f, "last_hidden_states", storage, (h,))
+
+    def _create_rows(self, f: h5py.File, name: str, dtype: np.dtype, row: tuple[int, ...]) -> None:
+        row_bytes = dtype.itemsize * int(np.prod(row, dtype=np.int64))
+        chunk_rows = max(1, _CHUNK_BYTES // row_bytes)
+        f.create_dataset(
+            name,
+            shape=(0, *row),
+            maxshape=(None, *row),
+            chunks=(chunk_rows, *row),
+            dtype=dtype,
+            compression=self.compression,
+            shuffle=self.compression is not None,
+        )
+
+    def _write_index(self, f: h5py.File) -> None:
+        # Written last: these are small, and their presence marks the shard as finished.
+        f.create_dataset("sample_offsets", data=np.asarray(self._offsets, dtype=np.int64))
+        f.create_dataset(
+            "sample_ids",
+            data=np.asarray(self._ids, dtype=object),
+            dtype=h5py.string_dtype("utf-8"),
+        )
+        f.attrs["num_samples"] = len(self._ids)
+        f.attrs["num_tokens"] = self._offsets[-1]
+
+
+def bytes_per_token(hidden_size: int, hidden_dtype: str) -> int:
+    """Stored bytes per token, uncompressed: (3H + H) hidden values + int32 id + uint8 mask."""
+    _check_hidden_dtype(hidden_dtype)
+    hidden_size = _positive_int(hidden_size, "hidden_size")
+    return 4 * hidden_size * _STORAGE_DTYPES[hidden_dtype].itemsize + 4 + 1
+
+
+# --------------------------------------------------------------------------- read side
+
+
+@dataclass
+class Shard:
+    """An open shard. Token-level arrays are loaded; hidden states are read on demand."""
+
+    path: Path
+    attrs: dict[str, Any]
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    sample_offsets: np.ndarray
+    sample_ids: list[str]
+    _file: h5py.File | None = field(repr=False, compare=False)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.attrs["hidden_size"])
+
+    @property
+    def hidden_dtype(self) -> HiddenDtype:
+        return self.attrs["hidden_dtype"]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def aux_hidden_states(
+        self, rows: slice | None = None, *, as_torch: bool = False
+    ) -> np.ndarray | torch.Tensor:
+        """Rows of ``[T, 3H]`` as numpy (bfloat16 decoded exactly to float32) or as torch.
+
+        ``as_torch=True`` returns the stored dtype (bfloat16/float16/float32) without copying.
+        """
+        return self._read_hidden("aux_hidden_states", rows, as_torch)
+
+    def last_hidden_states(
+        self, rows: slice | None = None, *, as_torch: bool = False
+    ) -> np.ndarray | torch.Tensor:
+        """Rows of ``[T, H]``, decoded like :meth:`aux_hidden_states`."""
+        return self._read_hidden("last_hidden_states", rows, as_torch)
+
+    def sample(self, i: int) -> dict[str, Any]:
+        """Conversation ``i``: its id, tokens, loss mask and hidden states (numpy)."""
+        n = self.num_samples
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} out of range for {n} samples")
+        i %= n
+        rows = slice(int(self.sample_offsets[i]), int(self.sample_offsets[i + 1]))
+        return {
+            "id": self.sample_ids[i],
+            "input_ids": self.input_ids[rows],
+            "loss_mask": self.loss_mask[rows],
+            "aux_hidden_states": self.aux_hidden_states(rows),
+            "last_hidden_states": self.last_hidden_states(rows),
+        }
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _read_hidden(
+        self, name: str, rows: slice | None, as_torch: bool
+    ) -> np.ndarray | torch.Tensor:
+        if self._file is None:
+            raise ValueError(f"shard {self.path} is closed")
+        stored = self._file[name][rows if rows is not None else slice(None)]
+        return _decode_hidden(stored, self.hidden_dtype, as_torch)
+
+
+def open_shard(path: str | Path) -> Shard:
+    """Open a shard for reading; raises :class:`ShardFormatError` if it is not a v1 shard.
+
+    This checks the header and layout only; use :func:`validate_shard` for a full check.
+    """
+    path = Path(path)
+    f = h5py.File(path, "r")
+    try:
+        attrs = _decode_attrs(f.attrs)
+        problems = _header_errors(attrs)
+        missing = [name for name in _DATASETS if name not in f]
+        if missing:
+            problems.append(f"missing datasets {missing}")
+        if problems:
+            raise ShardFormatError(f"{path}: not a readable shard: {'; '.join(problems)}")
+        return Shard(
+            path=path,
+            attrs=attrs,
+            input_ids=f["input_ids"][()],
+            loss_mask=f["loss_mask"][()],
+            sample_offsets=f["sample_offsets"][()],
+            sample_ids=[str(s) for s in f["sample_ids"].asstr()[()]],
+            _file=f,
+        )
+    except BaseException:
+        f.close()
+        raise
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@dataclass(frozen=True)
+class ShardCheck:
+    """Outcome of :func:`validate_shard`; ``errors`` is empty for a good shard."""
+
+    path: str
+    num_samples: int
+    num_tokens: int
+    sha256: str
+    errors: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def validate_shard(
+    path: str | Path,
+    *,
+    expected_ids: Sequence[str] | None = None,
+    hidden_size: int | None = None,
+) -> ShardCheck:
+    """Check a shard completely. Never raises for bad content; problems come back as errors."""
+    path = Path(path)
+    try:
+        sha256 = file_sha256(path)
+    except OSError as e:
+        return ShardCheck(str(path), 0, 0, "", (f"cannot read file: {_one_line(e)}",))
+    try:
+        f = h5py.File(path, "r")
+    except Exception as e:
+        return ShardCheck(str(path), 0, 0, sha256, (f"cannot open as HDF5: {_one_line(e)}",))
+    with f:
+        v = _Validator(f, expected_ids, hidden_size)
+        try:
+            v.run()
+        except Exception as e:  # e.g. a damaged chunk that only fails when read
+            v.errors.append(f"error while reading shard: {type(e).__name__}: {_one_line(e)}")
+    return ShardCheck(str(path), v.num_samples, v.num_tokens, sha256, tuple(v.errors))
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of the file's bytes, streamed."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+class _Validator:
+    def __init__(
+        self, f: h5py.File, expected_ids: Sequence[str] | None, hidden_size: int | None
+    ) -> None:
+        self.f = f
+        self.expected_ids = expected_ids
+        self.hidden_size = hidden_size
+        self.errors: list[str] = []
+        self.attrs: dict[str, Any] = {}
+        self.num_samples = 0
+        self.num_tokens = 0
+        self.hidden_dtype: str | None = None
+        self.offsets: np.ndarray | None = None  # set only when offsets are valid
+        self.ids: list[str] | None = None
+
+    def run(self) -> None:
+        self._check_header()
+        if not self._check_layout():
+            return  # content checks would only repeat the layout errors
+        self._check_offsets()
+        self._check_ids()
+        self._check_tokens()
+        if self.hidden_dtype is not None:
+            for name in ("aux_hidden_states", "last_hidden_states"):
+                self._check_finite(name)
+
+    def _check_header(self) -> None:
+        attrs = self.attrs = _decode_attrs(self.f.attrs)
+        self.errors.extend(_header_errors(attrs))
+        dtype = attrs.get("hidden_dtype")
+        if (
+            isinstance(dtype, str)
+            and dtype in _STORAGE_DTYPES
+            and attrs.get("hidden_encoding") == _ENCODINGS[dtype]
+        ):
+            self.hidden_dtype = dtype
+        h = attrs.get("hidden_size")
+        if self.hidden_size is not None and h != self.hidden_size:
+            self.errors.append(f"attr hidden_size: expected {self.hidden_size}, found {h!r}")
+
+    def _check_layout(self) -> bool:
+        f = self.f
+        missing = [name for name in _DATASETS if name not in f]
+        if missing:
+            self.errors.append(f"missing datasets {missing}")
+            return False
+        attrs = self.attrs
+        h = attrs.get("hidden_size")
+        n_before = len(self.errors)
+
+        ids_ds = f["sample_ids"]
+        tokens = f["input_ids"].shape[0] if f["input_ids"].ndim == 1 else -1
+        samples = ids_ds.shape[0] if ids_ds.ndim == 1 else -1
+        self.num_tokens, self.num_samples = max(tokens, 0), max(samples, 0)
+        storage = _STORAGE_DTYPES[self.hidden_dtype] if self.hidden_dtype else None
+        hidden = h if isinstance(h, int) and not isinstance(h, bool) and h > 0 else None
+
+        expected = {
+            "input_ids": (np.dtype(np.int32), (tokens,)),
+            "loss_mask": (np.dtype(np.uint8), (tokens,)),
+            "aux_hidden_states": (storage, (tokens, 3 * hidden) if hidden else None),
+            "last_hidden_states": (storage, (tokens, hidden) if hidden else None),
+            "sample_offsets": (np.dtype(np.int64), (samples + 1,)),
+        }
+        for name, (dtype, shape) in expected.items():
+            ds = f[name]
+            if dtype is not None and ds.dtype != dtype:
+                self.errors.append(f"{name}: dtype {ds.dtype}, expected {dtype}")
+            if shape is not None and ds.shape != shape:
+                self.errors.append(f"{name}: shape {ds.shape}, expected {shape}")
+        info = h5py.check_string_dtype(ids_ds.dtype)
+        if info is None or info.encoding != "utf-8" or info.length is not None:
+            self.errors.append(f"sample_ids: dtype {ids_ds.dtype}, expected variable-length UTF-8")
+        if ids_ds.ndim != 1:
+            self.errors.append(f"sample_ids: shape {ids_ds.shape}, expected (N,)")
+        for attr, actual in (("num_samples", self.num_samples), ("num_tokens", self.num_tokens)):
+            if attrs.get(attr) != actual:
+                self.errors.append(f"attr {attr}={attrs.get(attr)!r} but datasets hold {actual}")
+        return len(self.errors) == n_before
+
+    def _check_offsets(self) -> None:
+        offsets = self.f["sample_offsets"][()]
+        before = len(self.errors)
+        if offsets[0] != 0:
+            self.errors.append(f"sample_offsets: starts at {offsets[0]}, expected 0")
+        steps = np.diff(offsets)
+        if (steps <= 0).any():
+            i = int(np.flatnonzero(steps <= 0)[0])
+            self.errors.append(
+                f"sample_offsets: not strictly increasing at index {i} "
+                f"({offsets[i]} -> {offsets[i + 1]}); every sample needs at least one token"
+            )
+        if offsets[-1] != self.num_tokens:
+            self.errors.append(
+                f"sample_offsets: ends at {offsets[-1]}, expected num_tokens {self.num_tokens}"
+            )
+        if len(self.errors) == before:
+            self.offsets = offsets
+
+    def _check_ids(self) -> None:
+        ids = [str(s) for s in self.f["sample_ids"].asstr()[()]]
+        self.ids = ids
+        empty = [i for i, s in enumerate(ids) if not s]
+        if empty:
+            self.errors.append(f"sample_ids: empty id at index {empty[0]} ({len(empty)} in all)")
+        seen: set[str] = set()
+        dups: list[str] = []
+        for s in ids:
+            if s in seen and s not in dups:
+                dups.append(s)
+            seen.add(s)
+        for s in dups[:_MAX_SAMPLE_ERRORS]:
+            self.errors.append(f"sample_ids: duplicate id {s!r}")
+        self._more(len(dups), "duplicate ids")
+        if self.expected_ids is not None:
+            expected = [str(s) for s in self.expected_ids]
+            if ids != expected:
+                self.errors.append(
+                    f"sample_ids: do not match expected ids ({_first_difference(expected, ids)})"
+                )
+
+    def _check_tokens(self) -> None:
+        input_ids = self.f["input_ids"][()]
+        if input_ids.size and input_ids.min() < 0:
+            self.errors.append(f"input_ids: negative token id {int(input_ids.min())}")
+        mask = self.f["loss_mask"][()]
+        if mask.size and mask.max() > 1:
+            self.errors.append(f"loss_mask: values must be 0 or 1, found {int(mask.max())}")
+        if self.offsets is None or self.ids is None or not self.num_samples:
+            return
+        per_sample = np.add.reduceat((mask != 0).astype(np.int64), self.offsets[:-1])
+        no_loss = np.flatnonzero(per_sample == 0)
+        for i in no_loss[:_MAX_SAMPLE_ERRORS]:
+            self.errors.append(f"loss_mask: sample {self.ids[i]!r} has no loss tokens")
+        self._more(len(no_loss), "samples without loss tokens")
+
+    def _check_finite(self, name: str) -> None:
+        assert self.hidden_dtype is not None
+        ds = self.f[name]
+        total = ds.shape[0]
+        row_bytes = max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64)))
+        step = max(1, _SCAN_BYTES // row_bytes)
+        if ds.chunks:  # whole chunks per read, so no chunk is decompressed twice
+            step = max(ds.chunks[0], step - step % ds.chunks[0])
+        bad_rows: list[np.ndarray] = []
+        for start in range(0, total, step):
+            bad = _nonfinite_rows(ds[start : start + step], self.hidden_dtype)
+            if bad.any():
+                bad_rows.append(np.flatnonzero(bad) + start)
+        if not bad_rows:
+            return
+        rows = np.concatenate(bad_rows)
+        if self.offsets is None or self.ids is None:
+            self.errors.append(
+                f"{name}: non-finite values in {rows.size} rows (first row {rows[0]})"
+            )
+            return
+        samples = np.unique(np.searchsorted(self.offsets, rows, side="right") - 1)
+        for i in samples[:_MAX_SAMPLE_ERRORS]:
+            self.errors.append(f"{name}: sample {self.ids[i]!r} has non-finite values")
+        self._more(len(samples), f"samples with non-finite {name}")
+
+    def _more(self, count: int, what: str) -> None:
+        if count > _MAX_SAMPLE_ERRORS:
+            self.errors.append(f"... {count - _MAX_SAMPLE_ERRORS} more {what} not listed")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool):  # bool is an int subclass, never a size
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}") from None
+    if number < 1:
+        raise ValueError(f"{name} must be a positive integer, got {number}")
+    return number
+
+
+def _check_hidden_dtype(hidden_dtype: Any) -> None:
+    if not isinstance(hidden_dtype, str) or hidden_dtype not in _STORAGE_DTYPES:
+        raise ValueError(
+            f"hidden_dtype must be one of {list(_STORAGE_DTYPES)}, got {hidden_dtype!r}"
+        )
+
+
+def _header_errors(attrs: Mapping[str, Any]) -> list[str]:
+    errors = []
+    if attrs.get("format") != FORMAT_NAME:
+        errors.append(f"attr format={attrs.get('format')!r}, expected {FORMAT_NAME!r}")
+    if attrs.get("format_version") != FORMAT_VERSION:
+        errors.append(
+            f"attr format_version={attrs.get('format_version')!r}, "
+            f"this reader understands {FORMAT_VERSION}"
+        )
+    dtype = attrs.get("hidden_dtype")
+    if not isinstance(dtype, str) or dtype not in _STORAGE_DTYPES:
+        errors.append(f"attr hidden_dtype={dtype!r}, expected one of {list(_STORAGE_DTYPES)}")
+    elif attrs.get("hidden_encoding") != _ENCODINGS[dtype]:
+        errors.append(
+            f"attr hidden_encoding={attrs.get('hidden_encoding')!r}, "
+            f"expected {_ENCODINGS[dtype]!r} for {dtype}"
+        )
+    h = attrs.get("hidden_size")
+    if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+        errors.append(f"attr hidden_size={h!r}, expected a positive integer")
+    return errors
+
+
+def _torch_module() -> Any:
+    # A tensor can only exist if torch is already imported; avoid importing it for numpy callers.
+    return sys.modules.get("torch")
+
+
+def _check_shape(x: Any, expected: tuple[int, ...], name: str, sample_id: str, width: str) -> None:
+    shape = tuple(int(d) for d in (x.shape if hasattr(x, "shape") else np.shape(x)))
+    if shape != expected:
+        raise ShardFormatError(
+            f"sample {sample_id!r}: {name} has shape {shape}, expected {expected} = [T, {width}]"
+        )
+
+
+def _plain_array(x: Any) -> np.ndarray:
+    torch = _torch_module()
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _token_ids(x: Any, sample_id: str) -> np.ndarray:
+    ids = _plain_array(x)
+    if ids.ndim != 1 or ids.shape[0] == 0:
+        raise ShardFormatError(
+            f"sample {sample_id!r}: input_ids must have shape [T] with T > 0, got {ids.shape}"
+        )
+    if ids.dtype.kind not in "iu":
+        raise ShardFormatError(f"sample {sample_id!r}: input_ids must be integers, got {ids.dtype}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi > _INT32_MAX:
+        raise ShardFormatError(
+            f"sample {sample_id!r}: input_ids must be in 0..{_INT32_MAX}, found {lo}..{hi}"
+        )
+    return ids.astype(np.int32, copy=False)
+
+
+def _loss_mask(x: Any, sample_id: str, num_tokens: int) -> np.ndarray:
+    mask = _plain_array(x)
+    if mask.shape != (num_tokens,):
+        raise ShardFormatError(
+            f"sample {sample_id!r}: loss_mask has shape {mask.shape}, expected ({num_tokens},)"
+        )
+    if mask.dtype.kind not in "biu":
+        raise ShardFormatError(
+            f"sample {sample_id!r}: loss_mask must be bool or integer 0/1, got {mask.dtype}"
+        )
+    if mask.dtype.kind != "b" and (mask.min() < 0 or mask.max() > 1):
+        raise ShardFormatError(f"sample {sample_id!r}: loss_mask must hold only 0 and 1")
+    if not mask.any():
+        raise ShardFormatError(f"sample {sample_id!r}: loss_mask has no loss tokens")
+    return mask.astype(np.uint8, copy=False)
+
+
+def _to_storage(x: Any, hidden_dtype: str, name: str, sample_id: str) -> np.ndarray:
+    """Cast to ``hidden_dtype`` (round to nearest even) and return what goes on disk."""
+    torch = _torch_module()
+    if torch is not None and isinstance(x, torch.Tensor):
+        if not x.is_floating_point():
+            raise ShardFormatError(
+                f"sample {sample_id!r}: {name} must be floating point, got {x.dtype}"
+            )
+        target = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+        # Cast before the device-to-host copy: fewer bytes cross the bus.
+        t = x.detach().to(target[hidden_dtype]).cpu().contiguous()
+        if hidden_dtype == "bfloat16":
+            return t.view(torch.int16).numpy().view(np.uint16)
+        return t.numpy()
+
+    a = np.asarray(x)
+    if a.dtype.name == "bfloat16" and a.dtype.itemsize == 2:  # ml_dtypes arrays: keep the bits
+        if hidden_dtype == "bfloat16":
+            return a.view(np.uint16)
+        a = _bf16_bits_to_float32(a.view(np.uint16))
+    if a.dtype.kind != "f":
+        raise ShardFormatError(
+            f"sample {sample_id!r}: {name} must be floating point, got {a.dtype}"
+        )
+    if hidden_dtype == "bfloat16":
+        # float64 input is rounded via float32; hidden states never need that precision.
+        return _float32_to_bf16_bits(a.astype(np.float32, copy=False))
+    return a.astype(_STORAGE_DTYPES[hidden_dtype], copy=False)
+
+
+def _float32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bfloat16 bits, matching ``tensor.to(torch.bfloat16)``."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    bits = ((u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        bits[nan] = 0x7FC0  # torch's canonical NaN; rounding could otherwise turn NaN into inf
+    return bits
+
+
+def _bf16_bits_to_float32(u16: np.ndarray) -> np.ndarray:
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+def _nonfinite_rows(stored: np.ndarray, hidden_dtype: str) -> np.ndarray:
+    """Per-row flag: any NaN/inf in the stored representation."""
+    # For bfloat16 bits, an all-ones exponent means inf or NaN.
+    bf16 = hidden_dtype == "bfloat16"
+    bad = (stored & np.uint16(0x7F80)) == 0x7F80 if bf16 else ~np.isfinite(stored)
+    return bad.reshape(bad.shape[0], -1).any(axis=1)
+
+
+def _decode_hidden(stored: np.ndarray, hidden_dtype: str, as_torch: bool) -> Any:
+    if as_torch:
+        import torch
+
+        if hidden_dtype == "bfloat16":
+            return torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(stored)
+    if hidden_dtype == "bfloat16":
+        return _bf16_bits_to_float32(stored)
+    return stored
+
+
+def _encode_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    json_keys: list[str] = []
+    for key, value in attrs.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"attr names must be non-empty strings, got {key!r}")
+        if isinstance(value, Mapping):
+            try:
+                out[key] = json.dumps(value, sort_keys=True)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"attr {key!r}: dict value is not JSON-serialisable: {e}") from e
+            json_keys.append(key)
+        elif isinstance(value, os.PathLike):
+            out[key] = os.fspath(value)
+        elif isinstance(value, (str, bool, int, float, np.generic)):
+            out[key] = value
+        elif isinstance(value, (list, tuple, np.ndarray)):
+            out[key] = _attr_array(key, value)
+        else:
+            raise TypeError(
+                f"attr {key!r}: cannot store {type(value).__name__} in HDF5 "
+                f"(use str, number, bool, list or dict)"
+            )
+    if json_keys:
+        out[_JSON_ATTRS] = np.asarray(json_keys, dtype=h5py.string_dtype("utf-8"))
+    return out
+
+
+def _attr_array(key: str, value: Any) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype.kind in "UO":
+        # numpy would quietly turn [1, "a"] into ["1", "a"]; only all-string lists are strings.
+        items = np.asarray(value, dtype=object).ravel()
+        if items.size and all(isinstance(v, str) for v in items):
+            return np.asarray(value, dtype=h5py.string_dtype("utf-8"))
+    elif arr.dtype.kind in "biuf":
+        return arr
+    raise TypeError(f"attr {key!r}: list must hold only numbers or only strings, got {value!r}")
+
+
+def _decode_attrs(raw: h5py.AttributeManager) -> dict[str, Any]:
+    attrs = {key: _decode_value(raw[key]) for key in raw}
+    json_keys = attrs.pop(_JSON_ATTRS, [])
+    for key in json_keys if isinstance(json_keys, list) else []:
+        if isinstance(attrs.get(key), str):
+            attrs[key] = json.loads(attrs[key])
+    return attrs
+
+
+def _decode_value(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind in "OS":
+            return [_decode_value(v) for v in value.tolist()]
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _first_difference(expected: list[str], found: list[str]) -> str:
+    for i, (a, b) in enumerate(zip(expected, found, strict=False)):
+        if a != b:
+            return f"first difference at index {i}: expected {a!r}, found {b!r}"
+    return f"expected {len(expected)} ids, found {len(found)}"
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())

@@ -1,0 +1,519 @@
+"""One function per workflow stage; the Snakemake scripts are thin calls to these.
+
+Each stage reads its inputs, does its work through the library modules and
+writes its declared outputs atomically, so a killed job leaves either the
+previous state or the complete new one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from .atomic import atomic_path, write_json, write_jsonl
+from .generation import GenerationJob, Prompt, run_generation
+from .prompts import read_prompts, seeded_order
+from .settings import generation_key, generation_settings, model_fingerprint, model_name
+
+log = logging.getLogger(__name__)
+
+_MESSAGE = pl.Struct({"role": pl.String, "content": pl.String})
+
+
+def setup_logging(log_path: str | None) -> None:
+    """Log to the rule's log file (line-buffered) and to stderr."""
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if log_path:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_path, mode="a"))
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s",
+        handlers=handlers,
+        force=True,
+    )
+
+
+class ValidationError(RuntimeError):
+    """Produced data failed a check; the message lists every problem."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .chat import ChatTemplateError
+    from .journal import JournalLockedError
+    from .layers import AuxLayerError
+    from .prompts import PromptFormatError
+
+    return (
+        AuxLayerError,
+        ChatTemplateError,
+        FileNotFoundError,
+        JournalLockedError,
+        PromptFormatError,
+        ValidationError,
+    )
+
+
+def run_step(log_path: str | None, step: Callable[..., None], **kwargs: Any) -> None:
+    """Run one stage from a Snakemake script.
+
+    Problems with the user's data or config end the job with one clear line in
+    its log (no traceback); anything else is a bug and keeps its traceback.
+    """
+    setup_logging(log_path)
+    try:
+        step(**kwargs)
+    except _user_errors() as exc:
+        log.error("%s", exc)
+        raise SystemExit(1) from None
+    except Exception:
+        log.exception("%s failed", step.__name__)
+        raise SystemExit(1) from None
+
+
+# --- prompts ---------------------------------------------------------------
+
+
+def prepare_prompts(
+    *,
+    dataset: str,
+    source: str,
+    fmt: str,
+    on_invalid: str,
+    shuffle_seed: int,
+    out_prompts: str,
+    out_skipped: str,
+) -> None:
+    parsed = read_prompts(source, fmt, on_invalid=on_invalid)  # type: ignore[arg-type]
+    ordered = seeded_order(parsed.conversations, shuffle_seed)
+    df = pl.DataFrame(
+        {
+            "index": list(range(len(ordered))),
+            "id": [c.id for c in ordered],
+            "prompt_hash": [c.prompt_hash for c in ordered],
+            "source_line": [c.line for c in ordered],
+            "messages": [c.messages for c in ordered],
+        },
+        schema={
+            "index": pl.UInt32,
+            "id": pl.String,
+            "prompt_hash": pl.String,
+            "source_line": pl.UInt32,
+            "messages": pl.List(_MESSAGE),
+        },
+    )
+    with atomic_path(out_prompts) as tmp:
+        df.write_parquet(tmp)
+    write_jsonl(out_skipped, [s.as_row() for s in parsed.skipped])
+    log.info(
+        "%s: %d conversations from %s (%d skipped, see %s)",
+        dataset,
+        len(ordered),
+        source,
+        len(parsed.skipped),
+        out_skipped,
+    )
+    for s in parsed.skipped:
+        log.warning("%s: skipped %s:%d: %s", dataset, s.file, s.line, s.reason)
+
+
+def load_prompts(path: str) -> list[Prompt]:
+    df = pl.read_parquet(path).sort("index")
+    return [
+        Prompt(row["id"], row["prompt_hash"], row["messages"]) for row in df.iter_rows(named=True)
+    ]
+
+
+# --- generate --------------------------------------------------------------
+
+
+def sidecar_path(work_dir: str, dataset: str, key: str) -> Path:
+    return Path(work_dir) / "generate" / dataset / f"{key}.jsonl"
+
+
+def generate(
+    *,
+    dataset: str,
+    config: Mapping[str, Any],
+    prompts_path: str,
+    skipped_path: str,
+    work_dir: str,
+    out_responses: str,
+    out_stats: str,
+    threads: int | None = None,
+) -> None:
+    ds_cfg = config["datasets"][dataset]
+    gen_cfg = config["generation"]
+    settings = generation_settings(config)
+    key = generation_key(settings, model_fingerprint(config["model"]["path"]))
+    journal = sidecar_path(work_dir, dataset, key)
+    _describe_sidecar(journal, settings)
+    job = GenerationJob(
+        dataset=dataset,
+        prompts=load_prompts(prompts_path),
+        journal=journal,
+        model=model_name(config["model"]),
+        sampling=gen_cfg["sampling"],
+        seed=gen_cfg["seed"],
+        token_budget=ds_cfg.get("token_budget"),
+        max_samples=ds_cfg.get("max_samples"),
+        batch_size=gen_cfg["batch_size"],
+        progress_interval_s=gen_cfg["progress_interval_s"],
+    )
+
+    def engine_factory() -> Any:
+        from .engines.transformers_engine import TransformersEngine
+        from .torch_utils import set_threads
+
+        set_threads(threads)
+        return TransformersEngine(
+            config["model"]["path"],
+            sampling=gen_cfg["sampling"],
+            chat_template_kwargs=config["model"]["chat_template_kwargs"],
+            dtype=config["model"]["dtype"],
+            device=gen_cfg["device"],
+        )
+
+    result = run_generation(job, engine_factory)
+    stats = dict(result.stats)
+    stats["skipped_input"] = len(Path(skipped_path).read_text(encoding="utf-8").splitlines())
+    stats["settings_key"] = key
+    write_jsonl(out_responses, result.rows)
+    write_json(out_stats, stats)
+    log.info(
+        "%s: wrote %d responses, %d completion tokens (budget %s, stop: %s); "
+        "accounting: %d prompts = %d in output + %d failed + %d beyond limits "
+        "(+%d skipped as bad input); waste %d tokens",
+        dataset,
+        stats["in_output"],
+        stats["completion_tokens"],
+        stats["token_budget"],
+        stats["stop_reason"],
+        stats["prompts"],
+        stats["in_output"],
+        stats["failed"],
+        stats["beyond_limits"],
+        stats["skipped_input"],
+        stats["waste_tokens"],
+    )
+
+
+def _describe_sidecar(journal: Path, settings: Mapping[str, Any]) -> None:
+    """Write what a sidecar was made with next to it; say so when settings changed."""
+    info = journal.with_suffix(".settings.json")
+    others = sorted(p for p in journal.parent.glob("*.settings.json") if p != info)
+    if not journal.exists() and others:
+        log.warning(
+            "generation settings differ from the %d earlier sidecar(s) in %s: starting a new "
+            "sidecar %s (earlier progress is kept there, unused)",
+            len(others),
+            journal.parent,
+            journal.name,
+        )
+    if not info.exists():
+        write_json(info, dict(settings))
+
+
+# --- tokenize --------------------------------------------------------------
+
+
+def tokenize(
+    *,
+    dataset: str,
+    responses_path: str,
+    model_path: str,
+    chat_template_kwargs: Mapping[str, Any],
+    max_seq_len: int,
+    out_tokenized: str,
+    out_stats: str,
+) -> None:
+    from transformers import AutoTokenizer
+
+    from .chat import chat_template_hash, tokenize_conversation, tokenizer_hash
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    rows: dict[str, list[Any]] = {
+        k: [] for k in ("index", "id", "input_ids", "loss_mask", "num_tokens", "truncated")
+    }
+    dropped = []
+    n_in = 0
+    with open(responses_path, encoding="utf-8") as fh:
+        for line in fh:
+            n_in += 1
+            resp = json.loads(line)
+            tok = tokenize_conversation(
+                tokenizer,
+                resp["messages"],
+                chat_template_kwargs=chat_template_kwargs,
+                max_seq_len=max_seq_len,
+            )
+            if tok.num_loss_tokens == 0:
+                # Nothing for the draft to learn (e.g. the answer was truncated
+                # away by max_seq_len); recorded, never silently lost.
+                dropped.append(
+                    {
+                        "id": resp["id"],
+                        "reason": f"no assistant token within max_seq_len={max_seq_len} "
+                        f"(conversation has {tok.num_tokens_before_truncation} tokens)",
+                    }
+                )
+                continue
+            rows["index"].append(resp["index"])
+            rows["id"].append(resp["id"])
+            rows["input_ids"].append(tok.input_ids)
+            rows["loss_mask"].append(tok.loss_mask)
+            rows["num_tokens"].append(len(tok.input_ids))
+            rows["truncated"].append(tok.num_tokens_before_truncation > len(tok.input_ids))
+    df = pl.DataFrame(
+        rows,
+        schema={
+            "index": pl.UInt32,
+            "id": pl.String,
+            "input_ids": pl.List(pl.Int32),
+            "loss_mask": pl.List(pl.UInt8),
+            "num_tokens": pl.UInt32,
+            "truncated": pl.Boolean,
+        },
+    )
+    with atomic_path(out_tokenized) as tmp:
+        df.write_parquet(tmp)
+    stats = {
+        "dataset": dataset,
+        "conversations_in": n_in,
+        "conversations_out": df.height,
+        "dropped": dropped,
+        "tokens": int(df["num_tokens"].sum() or 0),
+        "loss_tokens": int(df["loss_mask"].list.sum().sum() or 0),
+        "truncated": int(df["truncated"].sum() or 0),
+        "max_seq_len": max_seq_len,
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "chat_template_hash": chat_template_hash(tokenizer),
+    }
+    write_json(out_stats, stats)
+    log.info(
+        "%s: %d conversations, %d tokens (%d supervised), %d truncated, %d dropped",
+        dataset,
+        stats["conversations_out"],
+        stats["tokens"],
+        stats["loss_tokens"],
+        stats["truncated"],
+        len(dropped),
+    )
+
+
+# --- hidden states: plan, extract, validate ---------------------------------
+
+
+def plan_shards(
+    *,
+    dataset: str,
+    tokenized_path: str,
+    model_path: str,
+    hidden_cfg: Mapping[str, Any],
+    model_dtype: str,
+    out_plan: str,
+) -> None:
+    from transformers import AutoConfig
+
+    from .shards import bytes_per_token
+    from .torch_utils import dtype_name, resolve_dtype
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    dtype = dtype_name(resolve_dtype(_hidden_dtype(hidden_cfg, model_dtype), config))
+    per_token = bytes_per_token(int(config.hidden_size), dtype)
+    lengths = pl.read_parquet(tokenized_path, columns=["num_tokens"])["num_tokens"].to_list()
+    max_tokens = max(1, hidden_cfg["shard_bytes"] // per_token)
+    shards: list[dict[str, int]] = []
+    start = 0
+    tokens = 0
+    for i, n in enumerate(lengths):
+        if i > start and tokens + n > max_tokens:
+            shards.append({"start": start, "end": i, "tokens": tokens})
+            start, tokens = i, 0
+        tokens += n
+    if start < len(lengths):
+        shards.append({"start": start, "end": len(lengths), "tokens": tokens})
+    total = sum(lengths)
+    write_json(
+        out_plan,
+        {
+            "dataset": dataset,
+            "hidden_dtype": dtype,
+            "hidden_size": int(config.hidden_size),
+            "bytes_per_token": per_token,
+            "tokens": total,
+            "estimated_bytes": total * per_token,
+            "shards": [{"shard": k, **s} for k, s in enumerate(shards)],
+        },
+    )
+    log.info(
+        "%s: %d conversations, %d tokens -> %d shard(s), about %.1f MB of hidden states",
+        dataset,
+        len(lengths),
+        total,
+        len(shards),
+        total * per_token / 1e6,
+    )
+
+
+def _hidden_dtype(hidden_cfg: Mapping[str, Any], model_dtype: str) -> str:
+    return model_dtype if hidden_cfg["dtype"] == "auto" else hidden_cfg["dtype"]
+
+
+def extract_shard(
+    *,
+    dataset: str,
+    shard: int,
+    plan_path: str,
+    tokenized_path: str,
+    tokenize_stats_path: str,
+    model_path: str,
+    model_label: str,
+    hidden_cfg: Mapping[str, Any],
+    model_dtype: str,
+    out_shard: str,
+    threads: int | None = None,
+) -> None:
+    from .extract import HiddenStateExtractor, length_batches
+    from .shards import ShardWriter
+    from .torch_utils import dtype_name, set_threads
+
+    plan = json.loads(Path(plan_path).read_text())
+    entry = plan["shards"][shard]
+    df = pl.read_parquet(tokenized_path).slice(entry["start"], entry["end"] - entry["start"])
+    tok_stats = json.loads(Path(tokenize_stats_path).read_text())
+    set_threads(threads)
+    extractor = HiddenStateExtractor(
+        model_path,
+        aux_layers=hidden_cfg["aux_layers"],
+        convention=hidden_cfg["aux_layer_convention"],
+        dtype=_hidden_dtype(hidden_cfg, model_dtype),
+        device=hidden_cfg["device"],
+    )
+    dtype = dtype_name(extractor.dtype)
+    ids = df["id"].to_list()
+    input_ids = df["input_ids"].to_list()
+    masks = df["loss_mask"].to_list()
+    states: list[Any] = [None] * len(ids)
+    batches = length_batches([len(x) for x in input_ids], hidden_cfg["batch_tokens"])
+    for n, batch in enumerate(batches, start=1):
+        for i, out in zip(batch, extractor.forward([input_ids[i] for i in batch]), strict=True):
+            states[i] = out
+        log.info(
+            "%s shard %d: batch %d/%d (%d conversations)",
+            dataset,
+            shard,
+            n,
+            len(batches),
+            len(batch),
+        )
+    attrs = {
+        "dataset": dataset,
+        "shard": shard,
+        "model": model_label,
+        "tokenizer_hash": tok_stats["tokenizer_hash"],
+        "chat_template_hash": tok_stats["chat_template_hash"],
+        "final_state": "post_norm",
+        "final_state_description": "output of the model's final norm (the lm_head input)",
+        "max_seq_len": tok_stats["max_seq_len"],
+        "compute_dtype": dtype,
+        **extractor.aux.as_attrs(),
+    }
+    with ShardWriter(
+        out_shard, hidden_size=extractor.hidden_size, hidden_dtype=dtype, attrs=attrs
+    ) as writer:
+        for i, sid in enumerate(ids):
+            aux, last = states[i]
+            writer.add(sid, input_ids[i], masks[i], aux, last)
+    log.info("%s shard %d: wrote %d conversations to %s", dataset, shard, len(ids), out_shard)
+
+
+def validate(
+    *,
+    dataset: str,
+    responses_path: str,
+    tokenized_path: str,
+    tokenize_stats_path: str,
+    plan_path: str,
+    shard_paths: list[str],
+    out_manifest: str,
+) -> None:
+    from .shards import open_shard, validate_shard
+
+    plan = json.loads(Path(plan_path).read_text())
+    tok_stats = json.loads(Path(tokenize_stats_path).read_text())
+    tokenized = pl.read_parquet(tokenized_path, columns=["id"])["id"].to_list()
+    with open(responses_path, encoding="utf-8") as fh:
+        response_ids = [json.loads(line)["id"] for line in fh]
+    dropped = {d["id"] for d in tok_stats["dropped"]}
+    errors: list[str] = []
+    if [i for i in response_ids if i not in dropped] != tokenized:
+        errors.append(
+            f"{tokenized_path}: ids differ from {responses_path} minus the "
+            f"{len(dropped)} conversations dropped at tokenization"
+        )
+    if len(shard_paths) != len(plan["shards"]):
+        errors.append(f"expected {len(plan['shards'])} shards, got {len(shard_paths)}")
+    shards = []
+    for entry, path in zip(plan["shards"], shard_paths, strict=False):
+        expected = tokenized[entry["start"] : entry["end"]]
+        check = validate_shard(path, expected_ids=expected, hidden_size=plan["hidden_size"])
+        errors.extend(check.errors)
+        shards.append(
+            {
+                "file": Path(path).name,
+                "samples": check.num_samples,
+                "tokens": check.num_tokens,
+                "sha256": check.sha256,
+            }
+        )
+    if errors:
+        raise ValidationError(
+            f"{dataset}: {len(errors)} problem(s) found:\n" + "\n".join(f"  - {e}" for e in errors)
+        )
+    with open_shard(shard_paths[0]) as first:
+        attrs = {
+            k: v for k, v in first.attrs.items() if k not in ("shard", "num_samples", "num_tokens")
+        }
+    manifest = {
+        "dataset": dataset,
+        "num_shards": len(shards),
+        "num_samples": sum(s["samples"] for s in shards),
+        "num_tokens": sum(s["tokens"] for s in shards),
+        "num_loss_tokens": tok_stats["loss_tokens"],
+        "bytes": sum(Path(p).stat().st_size for p in shard_paths),
+        "shards": shards,
+        "checks": [
+            "format name and version",
+            "dataset shapes and dtypes against attributes",
+            "offsets start at 0, strictly increase, end at the token count",
+            "all hidden states finite",
+            "every sample has at least one loss token",
+            "ids unique and equal to the planned slice of the tokenized data",
+            "tokenized ids equal the response ids minus recorded drops",
+        ],
+        "attrs": _jsonable(attrs),
+    }
+    write_json(out_manifest, manifest)
+    log.info(
+        "%s: %d shards, %d samples, %d tokens validated",
+        dataset,
+        manifest["num_shards"],
+        manifest["num_samples"],
+        manifest["num_tokens"],
+    )
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return obj

@@ -1,0 +1,49 @@
+"""Small torch helpers shared by the in-process engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_config: Any) -> torch.dtype:
+    """``auto`` means the dtype the checkpoint declares (float32 if it declares none)."""
+    if name != "auto":
+        return _DTYPES[name]
+    declared = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    if isinstance(declared, torch.dtype):
+        return declared
+    if isinstance(declared, str) and declared in _DTYPES:
+        return _DTYPES[declared]
+    return torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in _DTYPES.items()}[dtype]
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def load_causal_lm(path: str | Path, *, dtype: str, device: str) -> tuple[Any, Any]:
+    """Load (model, tokenizer) from a local directory, eval mode, no hub access."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    torch_dtype = resolve_dtype(dtype, config)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    model.to(resolve_device(device)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer

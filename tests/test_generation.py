@@ -212,13 +212,23 @@ def test_zero_limits_need_no_engine(tmp_path, limits):
     check_stats(result, job)
 
 
-def test_zero_budget_is_not_logged_as_unlimited(tmp_path, caplog):
-    job = make_job(tmp_path, make_prompts(3), token_budget=0)
+def _budget_field(caplog) -> str:
+    fields = [w for r in caplog.records for w in r.getMessage().split() if w.startswith("budget=")]
+    assert fields, caplog.text
+    return fields[-1]
+
+
+def test_zero_budget_is_not_logged_as_no_budget(tmp_path, caplog):
+    """A budget of 0 (nothing allowed) must not read like an absent budget (no cap)."""
     with caplog.at_level(logging.INFO, logger="eagle3data.generation"):
-        run_generation(job, no_engine)
-    text = caplog.text
-    assert "budget=" in text
-    assert "unlimited" not in text, text
+        run_generation(make_job(tmp_path / "zero", make_prompts(3), token_budget=0), no_engine)
+    zero = _budget_field(caplog)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="eagle3data.generation"):
+        run_generation(make_job(tmp_path / "none", make_prompts(3), max_samples=0), no_engine)
+    absent = _budget_field(caplog)
+    assert zero != absent, (zero, absent)
+    assert "unlimited" not in zero
 
 
 def test_empty_prompt_list(tmp_path):

@@ -418,12 +418,12 @@ BAD_CASES = [
 ]
 
 
-def _good_for(fmt: str) -> dict:
+def _good_for(fmt: str, text: str = "fine") -> dict:
     return {
-        "sharegpt": GOOD,
-        "messages": msgs(("user", "fine"), ("assistant", "ok")),
-        "alpaca": {"instruction": "fine", "output": "ok"},
-        "prompt": {"prompt": "fine"},
+        "sharegpt": GOOD if text == "fine" else sg(("human", text)),
+        "messages": msgs(("user", text), ("assistant", "ok")),
+        "alpaca": {"instruction": text, "output": "ok"},
+        "prompt": {"prompt": text},
     }[fmt]
 
 
@@ -432,7 +432,7 @@ def _good_for(fmt: str) -> dict:
 )
 def test_bad_record_error_names_file_line_and_field(tmp_path, name, fmt, line, fragment):
     good = _good_for(fmt)
-    other = {**good, "id": "other"} if fmt != "sharegpt" else sg(("human", "fine 2"))
+    other = _good_for(fmt, "fine 2")
     src = write_jsonl(tmp_path / "A1.jsonl", [good, other, line])
     with pytest.raises(PromptFormatError) as exc:
         read_prompts(src, fmt)
@@ -446,7 +446,7 @@ def test_bad_record_error_names_file_line_and_field(tmp_path, name, fmt, line, f
 )
 def test_bad_record_skipped_with_line_and_reason(tmp_path, name, fmt, line, fragment):
     good = _good_for(fmt)
-    other = {**good, "id": "other"} if fmt != "sharegpt" else sg(("human", "fine 2"))
+    other = _good_for(fmt, "fine 2")
     src = write_jsonl(tmp_path / "A1.jsonl", [good, line, other])
     res = read_prompts(src, fmt, on_invalid="skip")
     assert [c.line for c in res.conversations] == [1, 3]
@@ -511,7 +511,7 @@ def test_json_file_must_hold_an_array(tmp_path):
 def test_json_array_bad_record_is_numbered(tmp_path):
     src = tmp_path / "A1.json"
     src.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}, {"system": "s"}]))
-    with pytest.raises(PromptFormatError, match=r"A1\.json:3: prompt: missing field"):
+    with pytest.raises(PromptFormatError, match=r"A1\.json record 3: prompt: missing field"):
         read_prompts(src, "prompt")
     res = read_prompts(src, "prompt", on_invalid="skip")
     assert len(res.conversations) == 2

@@ -183,7 +183,10 @@ class _Progress:
         remaining = max(expected_total - done, 0)
         eta = f"{remaining / rate:.0f}s" if rate > 0 else "?"
         cap = self.job.token_budget
-        budget = f"{sel.tokens}/{cap} ({100 * sel.tokens / cap:.0f}%)" if cap else f"{sel.tokens}/-"
+        if cap is None:
+            budget = f"{sel.tokens}/unlimited"
+        else:
+            budget = f"{sel.tokens}/{cap} ({100 * sel.tokens / max(cap, 1):.0f}%)"
         line = (
             f"{self.job.dataset}: {done}/{expected_total} ({len(sel.failed)} err) "
             f"{rate:.2f} req/s avg_comp={avg:.0f}tok budget={budget} ETA={eta}"

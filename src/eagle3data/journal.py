@@ -18,6 +18,10 @@ from typing import Any, Self
 from .atomic import dumps_line, fsync_dir
 
 
+class JournalCorruptError(RuntimeError):
+    """A complete line of the journal is not a JSON record."""
+
+
 class JournalLockedError(RuntimeError):
     """Another live process is appending to the same journal."""
 
@@ -28,10 +32,16 @@ def read_journal(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     if not p.exists():
         return
     with open(p, "rb") as fh:
-        for raw in fh:
+        for lineno, raw in enumerate(fh, start=1):
             if not raw.endswith(b"\n"):
                 return  # torn tail of a killed writer
-            yield json.loads(raw)
+            try:
+                yield json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise JournalCorruptError(
+                    f"{p}:{lineno}: unreadable sidecar record ({exc}); this file is only ever "
+                    "appended to, so something else wrote to it: move it away to start over"
+                ) from None
 
 
 def _truncate_torn_tail(fh: Any) -> int:

@@ -240,11 +240,15 @@ def read_prompts(
     reader = _READERS[fmt]
     conversations: list[Conversation] = []
     skipped: list[Skipped] = []
-    seen: dict[str, tuple[int, str]] = {}  # id -> (line, canonical messages)
+    seen_ids: dict[str, int] = {}  # id -> first line
+    seen_content: dict[str, int] = {}  # canonical messages -> first line
+
+    # JSON arrays have no meaningful line numbers: name the record instead.
+    where = "{src} record {n}" if src.suffix == ".json" else "{src}:{n}"
 
     def bad(lineno: int, reason: str, rid: str | None = None) -> None:
         if on_invalid == "error":
-            raise PromptFormatError(f"{src}:{lineno}: {reason}")
+            raise PromptFormatError(f"{where.format(src=src, n=lineno)}: {reason}")
         skipped.append(Skipped(str(src), lineno, reason, rid))
 
     for lineno, record in _records(src):
@@ -263,14 +267,16 @@ def read_prompts(
             continue
         canonical = canonical_json(messages)
         cid = rid if rid is not None else conversation_hash_id(messages)
-        if cid in seen:
-            first_line, first_canonical = seen[cid]
-            if first_canonical == canonical:
-                skipped.append(Skipped(str(src), lineno, f"duplicate of line {first_line}", cid))
-            else:
-                bad(lineno, f"id: duplicate id {cid!r} (first on line {first_line})", cid)
+        if canonical in seen_content:
+            # The same conversation twice (whatever its ids) would only spend budget twice.
+            first_line = seen_content[canonical]
+            skipped.append(Skipped(str(src), lineno, f"duplicate of line {first_line}", cid))
             continue
-        seen[cid] = (lineno, canonical)
+        if cid in seen_ids:
+            bad(lineno, f"id: duplicate id {cid!r} (first on line {seen_ids[cid]})", cid)
+            continue
+        seen_ids[cid] = lineno
+        seen_content[canonical] = lineno
         conversations.append(Conversation(cid, messages, lineno, prompt_hash(messages)))
     return ParseResult(conversations, skipped)
 

@@ -45,7 +45,7 @@ class ValidationError(RuntimeError):
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .chat import ChatTemplateError
-    from .journal import JournalLockedError
+    from .journal import JournalCorruptError, JournalLockedError
     from .layers import AuxLayerError
     from .prompts import PromptFormatError
 
@@ -53,6 +53,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         AuxLayerError,
         ChatTemplateError,
         FileNotFoundError,
+        JournalCorruptError,
         JournalLockedError,
         PromptFormatError,
         ValidationError,

@@ -1,7 +1,14 @@
 import json
 import re
+import sys
+from pathlib import Path
 
 from snakemake.utils import min_version, validate
+
+# The workflow's logic lives in src/eagle3data; make it importable without an install.
+sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+
+from eagle3data.settings import generation_settings
 
 min_version("9.0")
 
@@ -53,12 +60,7 @@ def dataset_max_samples(wildcards):
 
 def generation_params(wildcards):
     """Everything that changes generated content (budgets are separate params)."""
-    return canonical(
-        {
-            "model": config["model"],
-            "generation": config["generation"],
-        }
-    )
+    return canonical(generation_settings(config))
 
 
 def tokenize_params(wildcards):

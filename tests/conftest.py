@@ -106,7 +106,9 @@ class Workflow:
         (self.root / "config" / "config.yaml").write_text(yaml.safe_dump(self.config))
 
     def command(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "snakemake", "--cores", "2", *args]
+        # One thread per model job lets two jobs share the 2-core test machine.
+        threads = ("generate=1", "hidden_states=1", "demo_model=1")
+        return [sys.executable, "-m", "snakemake", "--cores", "2", *args, "--set-threads", *threads]
 
     def run(
         self, *args: str, check: bool = True, timeout: float = 600
@@ -190,7 +192,7 @@ def new_workflow(
             "progress_interval_s": 0,
             "sampling": {"temperature": 0.0, "max_tokens": 8},
         },
-        "hidden_states": {"max_seq_len": 256, "shard_bytes": 200_000, "batch_tokens": 512},
+        "hidden_states": {"max_seq_len": 256, "shard_bytes": 160_000, "batch_tokens": 512},
         "datasets": datasets,
     }
     for section, values in overrides.items():

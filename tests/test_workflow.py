@@ -52,10 +52,10 @@ def finished(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
 
 
 @pytest.fixture
-def finished_copy(make_workflow, tmp_path: Path) -> Workflow:
-    """A complete run of its own, for tests that change the config."""
+def generated(make_workflow, tmp_path: Path) -> Workflow:
+    """A1's responses only, in a workflow of its own, for tests that change the config."""
     wf = make_workflow(_two_datasets(tmp_path))
-    wf.run()
+    wf.run("results/responses/A1.jsonl")
     return wf
 
 
@@ -152,8 +152,8 @@ def test_second_run_plans_nothing_and_single_targets_work(finished: Workflow) ->
     assert finished.plans_nothing("results/responses/B2.jsonl")
 
 
-def test_budget_changes_reuse_the_sidecar(finished_copy: Workflow) -> None:
-    finished = finished_copy
+def test_budget_changes_reuse_the_sidecar(generated: Workflow) -> None:
+    finished = generated
     before = finished.journal_lines("A1")
     rows_before = finished.responses("A1")
     finished.config["datasets"]["A1"]["token_budget"] = 200
@@ -177,10 +177,10 @@ def test_budget_changes_reuse_the_sidecar(finished_copy: Workflow) -> None:
     assert finished.responses("A1") == rows_before[: len(finished.responses("A1"))]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_killed_generation_resumes_without_loss_or_duplicates(make_workflow, tmp_path, sig) -> None:
-    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(120))
-    datasets = {"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": 600}}
+    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(80))
+    datasets = {"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": 400}}
     settings = {"generation": {"batch_size": 2}}
     reference = make_workflow(datasets, name="reference", **settings)
     reference.run("results/responses/A1.jsonl")

@@ -82,3 +82,29 @@ def generation_key(settings: Mapping[str, Any], fingerprint: str) -> str:
     """
     keyed = {k: v for k, v in settings.items() if k != "model_path"}
     return content_hash({"format": GENERATION_FORMAT, "model_fingerprint": fingerprint, **keyed})
+
+
+def read_model_config(model_path: str | Path) -> dict[str, Any]:
+    """config.json as a dict (no transformers import: cheap planning jobs stay cheap)."""
+    return json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+
+
+def declared_dtype(model_config: Mapping[str, Any]) -> str:
+    """The dtype a checkpoint declares; float32 if it declares none."""
+    text_config = model_config.get("text_config") or {}
+    for cfg in (model_config, text_config):
+        for key in ("dtype", "torch_dtype"):
+            value = cfg.get(key)
+            if value in ("bfloat16", "float16", "float32"):
+                return str(value)
+    return "float32"
+
+
+def hidden_size(model_config: Mapping[str, Any]) -> int:
+    if "hidden_size" in model_config:
+        return int(model_config["hidden_size"])
+    return int(model_config["text_config"]["hidden_size"])
+
+
+def resolve_dtype_name(requested: str, model_config: Mapping[str, Any]) -> str:
+    return declared_dtype(model_config) if requested == "auto" else requested

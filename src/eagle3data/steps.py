@@ -319,14 +319,13 @@ def plan_shards(
     model_dtype: str,
     out_plan: str,
 ) -> None:
-    from transformers import AutoConfig
-
+    from .settings import hidden_size, read_model_config, resolve_dtype_name
     from .shards import bytes_per_token
-    from .torch_utils import dtype_name, resolve_dtype
 
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    dtype = dtype_name(resolve_dtype(_hidden_dtype(hidden_cfg, model_dtype), config))
-    per_token = bytes_per_token(int(config.hidden_size), dtype)
+    model_config = read_model_config(model_path)
+    dtype = resolve_dtype_name(_hidden_dtype(hidden_cfg, model_dtype), model_config)
+    width = hidden_size(model_config)
+    per_token = bytes_per_token(width, dtype)
     lengths = pl.read_parquet(tokenized_path, columns=["num_tokens"])["num_tokens"].to_list()
     max_tokens = max(1, hidden_cfg["shard_bytes"] // per_token)
     shards: list[dict[str, int]] = []
@@ -345,7 +344,7 @@ def plan_shards(
         {
             "dataset": dataset,
             "hidden_dtype": dtype,
-            "hidden_size": int(config.hidden_size),
+            "hidden_size": width,
             "bytes_per_token": per_token,
             "tokens": total,
             "estimated_bytes": total * per_token,

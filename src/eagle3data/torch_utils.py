@@ -18,14 +18,9 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, model_config: Any) -> torch.dtype:
     """``auto`` means the dtype the checkpoint declares (float32 if it declares none)."""
-    if name != "auto":
-        return _DTYPES[name]
-    declared = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
-    if isinstance(declared, torch.dtype):
-        return declared
-    if isinstance(declared, str) and declared in _DTYPES:
-        return _DTYPES[declared]
-    return torch.float32
+    from .settings import resolve_dtype_name
+
+    return _DTYPES[resolve_dtype_name(name, model_config.to_dict())]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

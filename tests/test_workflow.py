@@ -208,3 +208,27 @@ def test_killed_generation_resumes_without_loss_or_duplicates(make_workflow, tmp
         wf.path("results/responses/A1.jsonl").read_bytes()
         == reference.path("results/responses/A1.jsonl").read_bytes()
     )
+
+
+def test_bad_input_fails_the_job_with_one_clear_line(make_workflow, tmp_path) -> None:
+    bad = tmp_path / "A1.jsonl"
+    bad.write_text(
+        '{"id": "a", "conversations": [{"from": "human", "value": "hi"}]}\n'
+        '{"id": "b", "conversations": [{"from": "bot", "value": "hi"}]}\n'
+    )
+    wf = make_workflow({"A1": {"path": str(bad), "format": "sharegpt"}})
+    proc = wf.run("results/prompts/A1.parquet", check=False)
+    assert proc.returncode != 0
+    log = wf.path("logs/prompts/A1.log").read_text()
+    assert f"{bad}:2: conversations[0].from: unknown role 'bot'" in log
+    assert "Traceback" not in log
+    assert not wf.path("results/prompts/A1.parquet").exists()
+
+
+def test_bad_config_fails_before_any_job(make_workflow, tmp_path) -> None:
+    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(3))
+    wf = make_workflow({"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": -5}})
+    proc = wf.run("-n", check=False)
+    assert proc.returncode != 0
+    assert "-5 is less than the minimum of 0" in proc.stdout + proc.stderr
+    assert not wf.path("results").exists()

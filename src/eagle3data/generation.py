@@ -204,54 +204,50 @@ def run_generation(job: GenerationJob, engine_factory: Any) -> GenerationResult:
     """
     order = [p.id for p in job.prompts]
     by_id = {p.id: p for p in job.prompts}
-    records = load_records(job)
-    resumed = len(records)
-    outcomes = {pid: _outcome(r) for pid, r in records.items()}
     limits = {"token_budget": job.token_budget, "max_samples": job.max_samples}
     total = min(len(order), job.max_samples) if job.max_samples is not None else len(order)
     progress = _Progress(job, total)
-    sel = select_prefix(order, outcomes, **limits)
-    log.info(
-        "%s: %d prompts, %d finished records in %s%s",
-        job.dataset,
-        len(order),
-        resumed,
-        job.journal,
-        " (resuming)" if resumed else "",
-    )
     engine: Engine | None = None
     generated_now = 0
-    if not sel.complete:
-        with JournalWriter(job.journal) as journal:
-            if journal.repaired_bytes:
-                log.warning(
-                    "%s: dropped a torn last record (%d bytes) from %s",
-                    job.dataset,
-                    journal.repaired_bytes,
-                    job.journal,
-                )
-            while not sel.complete:
-                ok = [o.completion_tokens for o in outcomes.values() if not o.failed]
-                expected = sum(ok) / len(ok) if ok else float(job.sampling["max_tokens"])
-                batch = plan_dispatch(
-                    order,
-                    outcomes,
-                    sel,
-                    expected_tokens=expected,
-                    limit=job.batch_size,
-                    **limits,
-                )
-                if engine is None:
-                    engine = engine_factory()
-                new = regenerate(engine, [by_id[order[pos]] for pos in batch], job.seed)
-                journal.append_many(new)
-                for rec in new:
-                    records[rec["id"]] = rec
-                    outcomes[rec["id"]] = _outcome(rec)
-                generated_now += len(new)
-                progress.generated = generated_now
-                sel = select_prefix(order, outcomes, **limits)
-                progress.update(sel, records)
+    # Lock before reading: another writer finishing between our read and our
+    # first append would otherwise make us regenerate what it just wrote.
+    with JournalWriter(job.journal) as journal:
+        if journal.repaired_bytes:
+            log.warning(
+                "%s: dropped a torn last record (%d bytes) from %s",
+                job.dataset,
+                journal.repaired_bytes,
+                job.journal,
+            )
+        records = load_records(job)
+        resumed = len(records)
+        outcomes = {pid: _outcome(r) for pid, r in records.items()}
+        sel = select_prefix(order, outcomes, **limits)
+        log.info(
+            "%s: %d prompts, %d finished records in %s%s",
+            job.dataset,
+            len(order),
+            resumed,
+            job.journal,
+            " (resuming)" if resumed else "",
+        )
+        while not sel.complete:
+            ok = [o.completion_tokens for o in outcomes.values() if not o.failed]
+            expected = sum(ok) / len(ok) if ok else float(job.sampling["max_tokens"])
+            batch = plan_dispatch(
+                order, outcomes, sel, expected_tokens=expected, limit=job.batch_size, **limits
+            )
+            if engine is None:
+                engine = engine_factory()
+            new = regenerate(engine, [by_id[order[pos]] for pos in batch], job.seed)
+            journal.append_many(new)
+            for rec in new:
+                records[rec["id"]] = rec
+                outcomes[rec["id"]] = _outcome(rec)
+            generated_now += len(new)
+            progress.generated = generated_now
+            sel = select_prefix(order, outcomes, **limits)
+            progress.update(sel, records)
     progress.update(sel, records, force=True)
     return _assemble(job, order, records, sel, resumed, generated_now)
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Literal, get_args
 
+from .checks import positive_int
+
 Convention = Literal["layer_output", "hidden_states_index"]
 
 NUM_AUX_LAYERS = 3
@@ -134,15 +136,7 @@ def _get(obj: Any, name: str) -> Any:
 
 
 def _check_num_layers(num_layers: Any) -> int:
-    if isinstance(num_layers, bool):
-        raise AuxLayerError(f"num_layers must be a positive integer, got {num_layers!r}")
-    try:
-        value = operator.index(num_layers)
-    except TypeError:
-        raise AuxLayerError(f"num_layers must be a positive integer, got {num_layers!r}") from None
-    if value < 1:
-        raise AuxLayerError(f"num_layers must be a positive integer, got {value}")
-    return value
+    return positive_int(num_layers, "num_layers", AuxLayerError)
 
 
 def _as_int_tuple(spec: Sequence[int]) -> tuple[int, ...]:

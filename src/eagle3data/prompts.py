@@ -97,43 +97,37 @@ def _obj_list(record: Mapping[str, Any], key: str) -> list[Any]:
     return value
 
 
-def _from_sharegpt(record: Mapping[str, Any]) -> list[dict[str, str]]:
+def _turns(
+    record: Mapping[str, Any], list_key: str, role_key: str, text_key: str, roles: Mapping[str, str]
+) -> list[dict[str, str]]:
+    """Read a list of turns whose role and text live under the given keys."""
     out = []
-    for i, turn in enumerate(_obj_list(record, "conversations")):
-        where = f"conversations[{i}]"
+    for i, turn in enumerate(_obj_list(record, list_key)):
+        where = f"{list_key}[{i}]"
         if not isinstance(turn, Mapping):
-            raise _Bad(where, "expected an object with 'from' and 'value'")
-        if "from" not in turn:
-            raise _Bad(f"{where}.from", "missing field")
-        role = _SHAREGPT_ROLES.get(turn["from"]) if isinstance(turn["from"], str) else None
+            raise _Bad(where, f"expected an object with {role_key!r} and {text_key!r}")
+        if role_key not in turn:
+            raise _Bad(f"{where}.{role_key}", "missing field")
+        source_role = turn[role_key]
+        role = roles.get(source_role) if isinstance(source_role, str) else None
         if role is None:
             raise _Bad(
-                f"{where}.from",
-                f"unknown role {turn['from']!r} (expected one of {sorted(_SHAREGPT_ROLES)})",
+                f"{where}.{role_key}",
+                f"unknown role {source_role!r} (expected one of {list(roles)})",
             )
-        if "value" not in turn:
-            raise _Bad(f"{where}.value", "missing field")
-        content = _text(turn["value"], f"{where}.value", allow_empty=role == "assistant")
+        if text_key not in turn:
+            raise _Bad(f"{where}.{text_key}", "missing field")
+        content = _text(turn[text_key], f"{where}.{text_key}", allow_empty=role == "assistant")
         out.append({"role": role, "content": content})
     return out
+
+
+def _from_sharegpt(record: Mapping[str, Any]) -> list[dict[str, str]]:
+    return _turns(record, "conversations", "from", "value", _SHAREGPT_ROLES)
 
 
 def _from_messages(record: Mapping[str, Any]) -> list[dict[str, str]]:
-    out = []
-    for i, turn in enumerate(_obj_list(record, "messages")):
-        where = f"messages[{i}]"
-        if not isinstance(turn, Mapping):
-            raise _Bad(where, "expected an object with 'role' and 'content'")
-        if "role" not in turn:
-            raise _Bad(f"{where}.role", "missing field")
-        role = turn["role"]
-        if role not in ROLES:
-            raise _Bad(f"{where}.role", f"unknown role {role!r} (expected one of {list(ROLES)})")
-        if "content" not in turn:
-            raise _Bad(f"{where}.content", "missing field")
-        content = _text(turn["content"], f"{where}.content", allow_empty=role == "assistant")
-        out.append({"role": role, "content": content})
-    return out
+    return _turns(record, "messages", "role", "content", {r: r for r in ROLES})
 
 
 def _from_alpaca(record: Mapping[str, Any]) -> list[dict[str, str]]:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import operator
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -55,6 +54,7 @@ import h5py
 import numpy as np
 
 from .atomic import atomic_path
+from .checks import positive_int
 
 if TYPE_CHECKING:
     import torch
@@ -145,7 +145,7 @@ class ShardWriter:
         attrs: Mapping[str, Any],
         compression: str | None = None,
     ) -> None:
-        hidden_size = _positive_int(hidden_size, "hidden_size")
+        hidden_size = positive_int(hidden_size, "hidden_size")
         _check_hidden_dtype(hidden_dtype)
         if compression not in _COMPRESSIONS:
             raise ValueError(
@@ -298,7 +298,7 @@ class ShardWriter:
 def bytes_per_token(hidden_size: int, hidden_dtype: str) -> int:
     """Stored bytes per token, uncompressed: (3H + H) hidden values + int32 id + uint8 mask."""
     _check_hidden_dtype(hidden_dtype)
-    hidden_size = _positive_int(hidden_size, "hidden_size")
+    hidden_size = positive_int(hidden_size, "hidden_size")
     return 4 * hidden_size * _STORAGE_DTYPES[hidden_dtype].itemsize + 4 + 1
 
 
@@ -637,18 +637,6 @@ class _Validator:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool):  # bool is an int subclass, never a size
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}") from None
-    if number < 1:
-        raise ValueError(f"{name} must be a positive integer, got {number}")
-    return number
 
 
 def _check_hidden_dtype(hidden_dtype: Any) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import polars as pl
 
 from .atomic import atomic_path, write_json, write_jsonl
-from .generation import GenerationJob, Prompt, run_generation
+from .generation import GenerationJob, Prompt, run_generation, write_outputs
 from .prompts import read_prompts, seeded_order
 from .settings import generation_key, generation_settings, model_fingerprint, model_name
 
@@ -184,7 +184,7 @@ def generate(
     stats = dict(result.stats)
     stats["skipped_input"] = len(Path(skipped_path).read_text(encoding="utf-8").splitlines())
     stats["settings_key"] = key
-    write_jsonl(out_responses, result.rows)
+    write_outputs(result, Path(out_responses))
     write_json(out_stats, stats)
     log.info(
         "%s: wrote %d responses, %d completion tokens (budget %s, stop: %s); "

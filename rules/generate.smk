@@ -6,6 +6,7 @@ rule generate:
     output:
         responses="results/responses/{dataset}.jsonl",
         stats="results/responses/{dataset}.stats.json",
+        errors="results/responses/{dataset}.errors.jsonl",
     log:
         "logs/generate/{dataset}.log",
     conda:

@@ -17,5 +17,6 @@ run_step(
     work_dir=snakemake.params.work_dir,
     out_responses=snakemake.output.responses,
     out_stats=snakemake.output.stats,
+    out_errors=snakemake.output.errors,
     threads=snakemake.threads,
 )

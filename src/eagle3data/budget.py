@@ -14,7 +14,7 @@ without generating the next prompt.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -55,12 +55,21 @@ def select_prefix(
     *,
     token_budget: int | None,
     max_samples: int | None,
+    resume_from: Selection | None = None,
 ) -> Selection:
-    """The final prefix if it is decided, else the prefix decided so far."""
-    selected: list[int] = []
-    failed: list[int] = []
-    tokens = 0
-    for pos, pid in enumerate(order):
+    """The final prefix if it is decided, else the prefix decided so far.
+
+    ``resume_from`` continues an undecided selection made over a subset of the
+    same outcomes (outcomes are only ever added): the walk starts at its
+    frontier, so a long run does not rescan the whole order per record.
+    """
+    if resume_from is not None and not resume_from.complete:
+        selected, failed = resume_from.selected, resume_from.failed
+        tokens, start = resume_from.tokens, resume_from.frontier
+    else:
+        selected, failed, tokens, start = [], [], 0, 0
+    for pos in range(start, len(order)):
+        pid = order[pos]
         reason = _limit_reached(len(selected), tokens, token_budget, max_samples)
         if reason is not None:
             return Selection(selected, failed, tokens, True, reason, pos)
@@ -74,7 +83,8 @@ def select_prefix(
             return Selection(selected, failed, tokens, True, "token_budget", pos)
         selected.append(pos)
         tokens += outcome.completion_tokens
-    return Selection(selected, failed, tokens, True, "exhausted", len(order))
+    reason = _limit_reached(len(selected), tokens, token_budget, max_samples)
+    return Selection(selected, failed, tokens, True, reason or "exhausted", len(order))
 
 
 def plan_dispatch(
@@ -86,25 +96,30 @@ def plan_dispatch(
     max_samples: int | None,
     expected_tokens: float,
     limit: int,
+    in_flight: Collection[int] = (),
 ) -> list[int]:
     """Positions to generate next (at most ``limit``), in order.
 
     Walks on from the frontier counting known outcomes exactly and unknown ones
-    at ``expected_tokens`` each, and stops where the limits would be reached:
-    dispatch stops when committed + expected in-flight tokens reach the budget.
-    The first unknown prompt is always included, so progress is guaranteed.
+    (in flight or to dispatch) at ``expected_tokens`` each, and stops where the
+    limits would be reached: dispatch stops when committed + expected in-flight
+    tokens reach the budget. With nothing in flight the first unknown prompt is
+    always included, so progress is guaranteed.
     """
-    if selection.complete:
+    if selection.complete or limit < 1:
         return []
     batch: list[int] = []
+    pending = False  # anything counted at expected_tokens so far
     n_selected = len(selection.selected)
     tokens = float(selection.tokens)
     for pos in range(selection.frontier, len(order)):
-        if batch and _limit_reached(n_selected, math.ceil(tokens), token_budget, max_samples):
+        if pending and _limit_reached(n_selected, math.ceil(tokens), token_budget, max_samples):
             break
         outcome = outcomes.get(order[pos])
         if outcome is None:
-            batch.append(pos)
+            if pos not in in_flight:
+                batch.append(pos)
+            pending = True
             tokens += expected_tokens
             n_selected += 1
             if len(batch) >= limit:

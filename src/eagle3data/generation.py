@@ -13,17 +13,19 @@ interrupted and resumed run makes the same batches as an uninterrupted one and
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .atomic import write_jsonl
 from .budget import Outcome, Selection, plan_dispatch, select_prefix
-from .engines import Completion, Engine, TurnFailure
+from .engines import AsyncEngine, Completion, Engine, TransientError, TurnFailure
 from .journal import JournalWriter, read_journal
 
 log = logging.getLogger(__name__)
@@ -81,76 +83,86 @@ def _batch_seed(seed: int, first_id: str, turn: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-def regenerate(engine: Engine, prompts: Sequence[Prompt], seed: int) -> list[dict[str, Any]]:
-    """Regenerate every assistant turn of each prompt, turn by turn, in order.
+class Conversation:
+    """One prompt being regenerated: source assistant turns are dropped and,
+    after each user turn, the engine answers on the regenerated history."""
 
-    Source assistant turns are dropped; after each user turn the engine answers
-    on the regenerated history. A conversation fails as a whole if one of its
-    turns fails.
-    """
-    history: list[list[dict[str, str]]] = []
-    user_turns: list[list[dict[str, str]]] = []
-    for p in prompts:
-        system = [m for m in p.messages[:1] if m["role"] == "system"]
-        history.append([dict(m) for m in system])
-        user_turns.append([dict(m) for m in p.messages if m["role"] == "user"])
-    turns: list[list[dict[str, Any]]] = [[] for _ in prompts]
-    failed: dict[int, str] = {}
-    n_rounds = max(len(u) for u in user_turns)
-    for turn in range(n_rounds):
-        active = [i for i, u in enumerate(user_turns) if turn < len(u) and i not in failed]
-        if not active:
-            break
-        for i in active:
-            history[i].append(user_turns[i][turn])
-        results = engine.complete(
-            [history[i] for i in active], seed=_batch_seed(seed, prompts[0].id, turn)
-        )
-        for i, res in zip(active, results, strict=True):
-            if isinstance(res, TurnFailure):
-                failed[i] = f"turn {turn + 1}: {res.reason}"
-                continue
-            assert isinstance(res, Completion)
-            message: dict[str, str] = {"role": "assistant", "content": res.content}
-            if res.reasoning_content:
-                message["reasoning_content"] = res.reasoning_content
-            history[i].append(message)
-            turns[i].append(
-                {
-                    "finish_reason": res.finish_reason,
-                    "prompt_tokens": res.prompt_tokens,
-                    "completion_tokens": res.completion_tokens,
-                }
-            )
-    records = []
-    for i, p in enumerate(prompts):
-        spent = sum(t["completion_tokens"] for t in turns[i])
-        if i in failed:
-            records.append(
-                {
-                    "id": p.id,
-                    "prompt_hash": p.prompt_hash,
-                    "status": "failed",
-                    "error": failed[i],
-                    "completion_tokens_spent": spent,
-                }
-            )
-            continue
-        records.append(
-            {
+    def __init__(self, prompt: Prompt) -> None:
+        self.prompt = prompt
+        system = [dict(m) for m in prompt.messages[:1] if m["role"] == "system"]
+        self.history: list[dict[str, str]] = system
+        self.user_turns = [dict(m) for m in prompt.messages if m["role"] == "user"]
+        self.turns: list[dict[str, Any]] = []
+        self.failure: str | None = None
+
+    def next_request(self) -> list[dict[str, str]] | None:
+        """The history ending with the next user turn, or None when finished."""
+        k = len(self.turns)
+        if self.failure is not None or k >= len(self.user_turns):
+            return None
+        if len(self.history) == 0 or self.history[-1]["role"] != "user":
+            self.history.append(self.user_turns[k])
+        return self.history
+
+    def add(self, result: Completion | TurnFailure) -> None:
+        if isinstance(result, TurnFailure):
+            self.failure = f"turn {len(self.turns) + 1}: {result.reason}"
+            return
+        message: dict[str, str] = {"role": "assistant", "content": result.content}
+        if result.reasoning_content:
+            message["reasoning_content"] = result.reasoning_content
+        self.history.append(message)
+        turn = {
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+        }
+        if result.usage_source == "tokenizer":
+            turn["usage_source"] = "tokenizer"  # the server reported no usage
+        self.turns.append(turn)
+
+    def record(self) -> dict[str, Any]:
+        p = self.prompt
+        spent = sum(t["completion_tokens"] for t in self.turns)
+        if self.failure is not None:
+            return {
                 "id": p.id,
                 "prompt_hash": p.prompt_hash,
-                "status": "ok",
-                "messages": history[i],
-                "finish_reason": turns[i][-1]["finish_reason"],
-                "usage": {
-                    "prompt_tokens": sum(t["prompt_tokens"] for t in turns[i]),
-                    "completion_tokens": spent,
-                },
-                "turns": turns[i],
+                "status": "failed",
+                "error": self.failure,
+                "completion_tokens_spent": spent,
             }
-        )
-    return records
+        return {
+            "id": p.id,
+            "prompt_hash": p.prompt_hash,
+            "status": "ok",
+            "messages": self.history,
+            "finish_reason": self.turns[-1]["finish_reason"],
+            "usage": {
+                "prompt_tokens": sum(t["prompt_tokens"] for t in self.turns),
+                "completion_tokens": spent,
+            },
+            "turns": self.turns,
+        }
+
+
+def regenerate(engine: Engine, prompts: Sequence[Prompt], seed: int) -> list[dict[str, Any]]:
+    """Regenerate a batch with an in-process engine, one round per turn index.
+
+    A conversation fails as a whole if one of its turns fails.
+    """
+    convs = [Conversation(p) for p in prompts]
+    turn = 0
+    while True:
+        active = [c for c in convs if c.next_request() is not None]
+        if not active:
+            break
+        requests = [c.next_request() or [] for c in active]
+        results = engine.complete(requests, seed=_batch_seed(seed, prompts[0].id, turn))
+        for conv, res in zip(active, results, strict=True):
+            conv.add(res)
+        turn += 1
+    return [c.record() for c in convs]
 
 
 class _Progress:
@@ -162,6 +174,10 @@ class _Progress:
         self.start = time.monotonic()
         self.last = 0.0
         self.generated = 0
+        self.tokens = 0  # completion tokens generated by this run
+        self.in_flight = 0
+        self.transient_errors = 0
+        self.cancelled = 0
         self.last_line = ""
 
     def update(
@@ -187,28 +203,104 @@ class _Progress:
             budget = f"{sel.tokens}/unlimited"
         else:
             budget = f"{sel.tokens}/{cap} ({100 * sel.tokens / max(cap, 1):.0f}%)"
+        generated = sum(
+            r["usage"]["completion_tokens"] if r["status"] == "ok" else r["completion_tokens_spent"]
+            for r in records.values()
+        )
         line = (
-            f"{self.job.dataset}: {done}/{expected_total} ({len(sel.failed)} err) "
-            f"{rate:.2f} req/s avg_comp={avg:.0f}tok budget={budget} ETA={eta}"
+            f"{self.job.dataset}: {done}/{expected_total} "
+            f"({len(sel.failed)} err, {self.transient_errors} retried) "
+            f"{rate:.2f} req/s {self.tokens / elapsed:.0f} tok/s avg_comp={avg:.0f}tok "
+            f"budget={budget} inflight={self.in_flight} waste={generated - sel.tokens}tok "
+            f"ETA={eta}"
         )
         if line != self.last_line:  # the final forced update often repeats the last one
             log.info("%s", line)
             self.last_line = line
 
 
-def run_generation(job: GenerationJob, engine_factory: Any) -> GenerationResult:
+@dataclass(frozen=True)
+class ErrorLimits:
+    """When a run stops instead of burning through a dataset on a broken server."""
+
+    max_consecutive_failures: int = 20
+    max_error_rate: float = 0.5
+    min_attempts: int = 20  # attempts before the rate is judged
+
+
+class GenerationAborted(RuntimeError):
+    """The run stopped early (error limits or a signal); finished work is kept."""
+
+
+class _Run:
+    """State shared by the two dispatch loops: journal, outcomes, selection."""
+
+    def __init__(self, job: GenerationJob, journal: JournalWriter) -> None:
+        self.job = job
+        self.journal = journal
+        self.order = [p.id for p in job.prompts]
+        self.by_id = {p.id: p for p in job.prompts}
+        self.limits = {"token_budget": job.token_budget, "max_samples": job.max_samples}
+        self.records = load_records(job)
+        self.resumed = len(self.records)
+        self.outcomes = {pid: _outcome(r) for pid, r in self.records.items()}
+        total = (
+            len(self.order) if job.max_samples is None else min(len(self.order), job.max_samples)
+        )
+        self.progress = _Progress(job, total)
+        self.generated_now = 0
+        ok = [o.completion_tokens for o in self.outcomes.values() if not o.failed]
+        self.ok_count, self.ok_tokens = len(ok), sum(ok)
+        self.sel = select_prefix(self.order, self.outcomes, **self.limits)
+
+    def expected_tokens(self) -> float:
+        """Running mean completion length (max_tokens before anything is known)."""
+        if self.ok_count == 0:
+            return float(self.job.sampling["max_tokens"])
+        return self.ok_tokens / self.ok_count
+
+    def plan(self, limit: int, in_flight: Collection[int] = ()) -> list[int]:
+        return plan_dispatch(
+            self.order,
+            self.outcomes,
+            self.sel,
+            expected_tokens=self.expected_tokens(),
+            limit=limit,
+            in_flight=in_flight,
+            **self.limits,
+        )
+
+    def commit(self, new: list[dict[str, Any]]) -> None:
+        self.journal.append_many(new)
+        for rec in new:
+            outcome = _outcome(rec)
+            self.records[rec["id"]] = rec
+            self.outcomes[rec["id"]] = outcome
+            if not outcome.failed:
+                self.ok_count += 1
+                self.ok_tokens += outcome.completion_tokens
+            self.progress.tokens += rec.get("usage", {}).get("completion_tokens", 0)
+        self.generated_now += len(new)
+        self.progress.generated = self.generated_now
+        self.sel = select_prefix(self.order, self.outcomes, **self.limits, resume_from=self.sel)
+        self.progress.update(self.sel, self.records)
+
+
+def run_generation(
+    job: GenerationJob,
+    engine_factory: Any,
+    *,
+    streaming: bool = False,
+    error_limits: ErrorLimits | None = None,
+) -> GenerationResult:
     """Generate until the budget prefix is decided; return the final rows and stats.
 
     ``engine_factory`` is called only if something remains to be generated, so a
     re-run over a finished journal (e.g. a lowered budget) never loads a model.
+    With ``streaming`` it must return an :class:`AsyncEngine` (HTTP): requests
+    are kept in flight up to its capacity and each finished conversation is
+    journaled at once; otherwise an in-process :class:`Engine` gets batches.
     """
-    order = [p.id for p in job.prompts]
-    by_id = {p.id: p for p in job.prompts}
-    limits = {"token_budget": job.token_budget, "max_samples": job.max_samples}
-    total = min(len(order), job.max_samples) if job.max_samples is not None else len(order)
-    progress = _Progress(job, total)
-    engine: Engine | None = None
-    generated_now = 0
     # Lock before reading: another writer finishing between our read and our
     # first append would otherwise make us regenerate what it just wrote.
     with JournalWriter(job.journal) as journal:
@@ -219,37 +311,124 @@ def run_generation(job: GenerationJob, engine_factory: Any) -> GenerationResult:
                 journal.repaired_bytes,
                 job.journal,
             )
-        records = load_records(job)
-        resumed = len(records)
-        outcomes = {pid: _outcome(r) for pid, r in records.items()}
-        sel = select_prefix(order, outcomes, **limits)
+        run = _Run(job, journal)
         log.info(
             "%s: %d prompts, %d finished records in %s%s",
             job.dataset,
-            len(order),
-            resumed,
+            len(run.order),
+            run.resumed,
             job.journal,
-            " (resuming)" if resumed else "",
+            " (resuming)" if run.resumed else "",
         )
-        while not sel.complete:
-            ok = [o.completion_tokens for o in outcomes.values() if not o.failed]
-            expected = sum(ok) / len(ok) if ok else float(job.sampling["max_tokens"])
-            batch = plan_dispatch(
-                order, outcomes, sel, expected_tokens=expected, limit=job.batch_size, **limits
+        if not run.sel.complete:
+            if streaming:
+                asyncio.run(_stream(run, engine_factory, error_limits or ErrorLimits()))
+            else:
+                _batched(run, engine_factory)
+    run.progress.update(run.sel, run.records, force=True)
+    return _assemble(job, run.order, run.records, run.sel, run.resumed, run.generated_now)
+
+
+def _batched(run: _Run, engine_factory: Any) -> None:
+    """In-process engines: deterministic batches, each journaled as a whole."""
+    engine: Engine = engine_factory()
+    while not run.sel.complete:
+        batch = run.plan(run.job.batch_size)
+        new = regenerate(engine, [run.by_id[run.order[pos]] for pos in batch], run.job.seed)
+        run.commit(new)
+
+
+async def _converse(engine: AsyncEngine, prompt: Prompt) -> dict[str, Any]:
+    conv = Conversation(prompt)
+    while (request := conv.next_request()) is not None:
+        conv.add(await engine.complete(request))
+    return conv.record()
+
+
+async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
+    """HTTP engines: keep ``capacity`` conversations in flight, journal each one
+    as it finishes, and cancel what can no longer enter the prefix."""
+    engine: AsyncEngine = engine_factory()
+    stop = asyncio.Event()
+    stop_reason: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def request_stop(sig: signal.Signals) -> None:
+        stop_reason.append(sig.name)
+        stop.set()
+
+    handled = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, request_stop, sig)
+            handled.append(sig)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    in_flight: dict[asyncio.Task[dict[str, Any]], int] = {}
+    attempts = errors = consecutive = 0
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await engine.start()
+        while not run.sel.complete and not stop.is_set():
+            free = engine.capacity - len(in_flight)
+            if free > 0:
+                busy = set(in_flight.values())
+                for pos in run.plan(free, busy):
+                    task = asyncio.ensure_future(_converse(engine, run.by_id[run.order[pos]]))
+                    in_flight[task] = pos
+            run.progress.in_flight = len(in_flight)
+            if not in_flight:
+                raise AssertionError("nothing in flight for an undecided prefix")  # unreachable
+            done, _ = await asyncio.wait([*in_flight, stopper], return_when=asyncio.FIRST_COMPLETED)
+            finished = []
+            for task in done:
+                if task is stopper:
+                    continue
+                pos = in_flight.pop(task)
+                attempts += 1
+                try:
+                    record = task.result()
+                except TransientError as exc:
+                    errors += 1
+                    consecutive += 1
+                    run.progress.transient_errors += 1
+                    log.warning("%s: %s (will retry later)", run.order[pos], exc)
+                else:
+                    finished.append(record)
+                    failed = record["status"] == "failed"
+                    errors += failed
+                    consecutive = consecutive + 1 if failed else 0
+                    if failed:
+                        log.warning("%s: failed: %s", record["id"], record["error"])
+            if finished:
+                run.commit(finished)
+            if consecutive >= limits.max_consecutive_failures:
+                raise GenerationAborted(
+                    f"{run.job.dataset}: {consecutive} consecutive failures; stopping "
+                    "(the server looks broken; finished responses are kept, re-run to resume)"
+                )
+            if attempts >= limits.min_attempts and errors / attempts > limits.max_error_rate:
+                raise GenerationAborted(
+                    f"{run.job.dataset}: {errors} of {attempts} attempts failed "
+                    f"(> {limits.max_error_rate:.0%}); stopping (finished responses are kept)"
+                )
+        if stop.is_set():
+            raise GenerationAborted(
+                f"{run.job.dataset}: stopped by {stop_reason[0]}; {run.generated_now} responses "
+                "finished in this run are kept, re-run to resume"
             )
-            if engine is None:
-                engine = engine_factory()
-            new = regenerate(engine, [by_id[order[pos]] for pos in batch], job.seed)
-            journal.append_many(new)
-            for rec in new:
-                records[rec["id"]] = rec
-                outcomes[rec["id"]] = _outcome(rec)
-            generated_now += len(new)
-            progress.generated = generated_now
-            sel = select_prefix(order, outcomes, **limits)
-            progress.update(sel, records)
-    progress.update(sel, records, force=True)
-    return _assemble(job, order, records, sel, resumed, generated_now)
+    finally:
+        # Closing the connections aborts these requests in SGLang and vLLM.
+        for task in in_flight:
+            task.cancel()
+        stopper.cancel()
+        await asyncio.gather(*in_flight, stopper, return_exceptions=True)
+        if in_flight:
+            run.progress.cancelled += len(in_flight)
+            log.info("%s: cancelled %d requests in flight", run.job.dataset, len(in_flight))
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        await engine.close()
 
 
 def _assemble(

@@ -60,18 +60,31 @@ def model_name(model_cfg: Mapping[str, Any]) -> str:
 
 
 def generation_settings(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The generation-relevant part of the config (what a params trigger should see)."""
+    """The generation-relevant part of the config (what a params trigger should see).
+
+    Where requests go (endpoints, concurrency, timeouts) is left out: moving a
+    run to other servers must not discard its progress.
+    """
     gen = config["generation"]
-    return {
+    settings = {
         "model": model_name(config["model"]),
         "model_path": config["model"]["path"],
         "dtype": config["model"]["dtype"],
         "chat_template_kwargs": config["model"]["chat_template_kwargs"],
         "backend": gen["backend"],
-        "batch_size": gen["batch_size"],
         "seed": gen["seed"],
         "sampling": gen["sampling"],
     }
+    if gen["backend"] == "transformers":
+        settings["batch_size"] = gen["batch_size"]
+    else:
+        settings["served_model"] = served_model(config)
+        settings["extra_body"] = gen.get("extra_body", {})
+    return settings
+
+
+def served_model(config: Mapping[str, Any]) -> str:
+    return config["generation"].get("served_model") or model_name(config["model"])
 
 
 def generation_key(settings: Mapping[str, Any], fingerprint: str) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 import polars as pl
 
 from .atomic import atomic_path, write_json, write_jsonl
-from .generation import GenerationJob, Prompt, run_generation, write_outputs
+from .generation import ErrorLimits, GenerationJob, Prompt, run_generation, write_outputs
 from .prompts import read_prompts, seeded_order
 from .settings import generation_key, generation_settings, model_fingerprint, model_name
 
@@ -45,6 +45,8 @@ class ValidationError(RuntimeError):
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .chat import ChatTemplateError
+    from .engines.openai_engine import EngineUnavailable
+    from .generation import GenerationAborted
     from .journal import JournalCorruptError, JournalLockedError
     from .layers import AuxLayerError
     from .prompts import PromptFormatError
@@ -52,6 +54,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (
         AuxLayerError,
         ChatTemplateError,
+        EngineUnavailable,
+        GenerationAborted,
         FileNotFoundError,
         JournalCorruptError,
         JournalLockedError,
@@ -146,6 +150,7 @@ def generate(
     work_dir: str,
     out_responses: str,
     out_stats: str,
+    out_errors: str,
     threads: int | None = None,
 ) -> None:
     ds_cfg = config["datasets"][dataset]
@@ -167,24 +172,24 @@ def generate(
         progress_interval_s=gen_cfg["progress_interval_s"],
     )
 
-    def engine_factory() -> Any:
-        from .engines.transformers_engine import TransformersEngine
-        from .torch_utils import set_threads
-
-        set_threads(threads)
-        return TransformersEngine(
-            config["model"]["path"],
-            sampling=gen_cfg["sampling"],
-            chat_template_kwargs=config["model"]["chat_template_kwargs"],
-            dtype=config["model"]["dtype"],
-            device=gen_cfg["device"],
+    if gen_cfg["backend"] == "openai":
+        result = run_generation(
+            job,
+            lambda: _openai_engine(config),
+            streaming=True,
+            error_limits=ErrorLimits(
+                max_consecutive_failures=gen_cfg["max_consecutive_failures"],
+                max_error_rate=gen_cfg["max_error_rate"],
+            ),
         )
-
-    result = run_generation(job, engine_factory)
+    else:
+        result = run_generation(job, lambda: _transformers_engine(config, threads))
     stats = dict(result.stats)
     stats["skipped_input"] = len(Path(skipped_path).read_text(encoding="utf-8").splitlines())
     stats["settings_key"] = key
+    stats["backend"] = gen_cfg["backend"]
     write_outputs(result, Path(out_responses))
+    write_jsonl(out_errors, result.failures)
     write_json(out_stats, stats)
     log.info(
         "%s: wrote %d responses, %d completion tokens (budget %s, stop: %s); "
@@ -202,6 +207,66 @@ def generate(
         stats["skipped_input"],
         stats["waste_tokens"],
     )
+
+
+def _transformers_engine(config: Mapping[str, Any], threads: int | None) -> Any:
+    from .engines.transformers_engine import TransformersEngine
+    from .torch_utils import set_threads
+
+    set_threads(threads)
+    return TransformersEngine(
+        config["model"]["path"],
+        sampling=config["generation"]["sampling"],
+        chat_template_kwargs=config["model"]["chat_template_kwargs"],
+        dtype=config["model"]["dtype"],
+        device=config["generation"]["device"],
+    )
+
+
+def _openai_engine(config: Mapping[str, Any]) -> Any:
+    import os
+
+    from .engines.openai_engine import EngineUnavailable, HttpSettings, OpenAIEngine
+    from .settings import served_model
+
+    gen = config["generation"]
+    api_key = None
+    if gen["api_key_env"]:
+        api_key = os.environ.get(gen["api_key_env"])
+        if not api_key:
+            raise EngineUnavailable(
+                f"generation.api_key_env names {gen['api_key_env']!r}, which is not set"
+            )
+    settings = HttpSettings(
+        endpoints=gen["endpoints"],
+        model=served_model(config),
+        concurrency=gen["concurrency"],
+        api_key=api_key,
+        request_timeout_s=gen["request_timeout_s"],
+        max_retries=gen["max_retries"],
+        extra_body=gen["extra_body"],
+    )
+    return OpenAIEngine(
+        settings,
+        sampling=gen["sampling"],
+        seed=gen["seed"],
+        chat_template_kwargs=config["model"]["chat_template_kwargs"],
+        count_tokens=_lazy_token_counter(config["model"]["path"]),
+    )
+
+
+def _lazy_token_counter(model_path: str) -> Any:
+    """Counts with the model's tokenizer, loaded only if a server omits usage."""
+    tokenizer: list[Any] = []
+
+    def count(text: str) -> int:
+        if not tokenizer:
+            from transformers import AutoTokenizer
+
+            tokenizer.append(AutoTokenizer.from_pretrained(model_path, local_files_only=True))
+        return len(tokenizer[0](text, add_special_tokens=False)["input_ids"])
+
+    return count
 
 
 def _describe_sidecar(journal: Path, settings: Mapping[str, Any]) -> None:

@@ -20,6 +20,12 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     reasoning_content: str | None = None
+    usage_source: str = "engine"  # "tokenizer" when a server reported no usage
+
+
+class TransientError(Exception):
+    """A request failed in a way worth retrying later (connection, timeout, 5xx):
+    the prompt is not recorded and will be dispatched again."""
 
 
 @dataclass(frozen=True)
@@ -30,8 +36,27 @@ class TurnFailure:
 
 
 class Engine(Protocol):
+    """In-process engines batch internally: many conversations per call."""
+
     def complete(
         self, conversations: Sequence[Sequence[Message]], *, seed: int
     ) -> list[Completion | TurnFailure]:
         """Next assistant turn for each conversation, in the same order."""
+        ...
+
+
+class AsyncEngine(Protocol):
+    """HTTP engines keep many single requests in flight."""
+
+    @property
+    def capacity(self) -> int:
+        """How many requests it wants in flight at once."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def complete(self, messages: Sequence[Message]) -> Completion | TurnFailure:
+        """Next assistant turn; raises TransientError when worth retrying later."""
         ...

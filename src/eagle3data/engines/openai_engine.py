@@ -256,7 +256,9 @@ class OpenAIEngine:
             retry=retry_if_exception_type(TransientError),
             stop=stop_after_attempt(self.settings.max_retries + 1),
             wait=wait_exponential_jitter(
-                initial=self.settings.backoff_initial_s, max=self.settings.backoff_max_s
+                multiplier=self.settings.backoff_initial_s,
+                max=self.settings.backoff_max_s,
+                jitter=self.settings.backoff_initial_s,
             ),
             reraise=True,
         )

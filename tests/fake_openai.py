@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import hashlib
 import itertools
@@ -389,6 +390,7 @@ class FakeOpenAI:
         self._lock = threading.Lock()
         self._requests: list[dict[str, Any]] = []
         self._attempts: dict[str, int] = {}
+        self._completed: collections.Counter[str] = collections.Counter()
         self._stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
         self._ids = itertools.count(1)
         self._dropping: set[int] = set()  # ids of requests being dropped on purpose
@@ -422,11 +424,17 @@ class FakeOpenAI:
         with self._lock:
             return self._attempts.get(conversation_key(messages), 0)
 
+    def completed_per_conversation(self) -> dict[str, int]:
+        """How many valid completions were sent for each distinct messages list."""
+        with self._lock:
+            return dict(self._completed)
+
     def reset(self) -> None:
         """Forget requests, attempts and counters (current gauges are kept)."""
         with self._lock:
             self._requests.clear()
             self._attempts.clear()
+            self._completed.clear()
             for key in _STAT_KEYS:
                 if key not in ("in_service", "queued"):
                     self._stats[key] = 0
@@ -653,6 +661,7 @@ class FakeOpenAI:
                 "total_tokens": prompt_tokens + n,
             }
         with self._lock:
+            self._completed[conversation_key(messages)] += 1
             self._stats["completed"] += 1
             self._stats["completion_tokens"] += n
             self._stats["prompt_tokens"] += prompt_tokens

@@ -232,3 +232,52 @@ def test_bad_config_fails_before_any_job(make_workflow, tmp_path) -> None:
     assert proc.returncode != 0
     assert "-5 is less than the minimum of 0" in proc.stdout + proc.stderr
     assert not wf.path("results").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killed_http_generation_resumes_without_loss_or_duplicates(
+    make_workflow, tmp_path, sig
+) -> None:
+    from fake_openai import FakeOpenAIServer
+
+    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(80))
+    datasets = {"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": 1500}}
+    # 4 slots at 100 tokens/s and ~20 tokens per answer: ~20 requests/s, a run of seconds.
+    with FakeOpenAIServer(model="tiny", slots=4, tokens_per_s=100, mean_tokens=20) as server:
+        http = {
+            "generation": {
+                "backend": "openai",
+                "endpoints": [server.url],
+                "served_model": "tiny",
+                "concurrency": 8,
+            }
+        }
+        reference = make_workflow(datasets, name="reference", **http)
+        reference.run("results/responses/A1.jsonl")
+        server.reset()
+
+        wf = make_workflow(datasets, name="killed", **http)
+        proc = wf.start("results/responses/A1.jsonl")
+        deadline = time.monotonic() + 120
+        while len(wf.journal_lines("A1")) < 10:
+            assert proc.poll() is None, "generation finished before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert kill_group(proc, sig) != 0
+        partial = wf.journal_lines("A1")
+        assert not wf.path("results/responses/A1.jsonl").exists()
+        if sig == signal.SIGKILL:
+            wf.run("--unlock")
+        wf.run("results/responses/A1.jsonl")
+        completed_twice = [k for k, n in server.completed_per_conversation().items() if n > 1]
+    journal = wf.journal_lines("A1")
+    ids = [json.loads(line)["id"] for line in journal]
+    assert len(ids) == len(set(ids)), "no response journaled twice"
+    assert journal[: len(partial)] == partial
+    assert wf.stats("A1")["records_resumed"] >= len(partial)
+    # Only requests in flight at the kill (at most `concurrency`) can be answered again.
+    assert len(completed_twice) <= 8
+    assert (
+        wf.path("results/responses/A1.jsonl").read_bytes()
+        == reference.path("results/responses/A1.jsonl").read_bytes()
+    )

@@ -253,18 +253,24 @@ class _Run:
         self.ok_count, self.ok_tokens = len(ok), sum(ok)
         self.sel = select_prefix(self.order, self.outcomes, **self.limits)
 
-    def expected_tokens(self) -> float:
-        """Running mean completion length (max_tokens before anything is known)."""
-        if self.ok_count == 0:
-            return float(self.job.sampling["max_tokens"])
-        return self.ok_tokens / self.ok_count
+    def expected_tokens(self, capacity: int) -> float:
+        """Running mean completion length; before anything is known, a prior that
+        lets the first dispatch fill the engine: max_tokens would send a single
+        request when max_tokens is large, leaving the engine idle for a whole
+        request. Overshooting only costs waste: the budget is enforced at selection."""
+        if self.ok_count:
+            return self.ok_tokens / self.ok_count
+        prior = float(self.job.sampling["max_tokens"])
+        if self.job.token_budget is not None:
+            prior = min(prior, max(self.job.token_budget / capacity, 1.0))
+        return prior
 
     def plan(self, limit: int, in_flight: Collection[int] = ()) -> list[int]:
         return plan_dispatch(
             self.order,
             self.outcomes,
             self.sel,
-            expected_tokens=self.expected_tokens(),
+            expected_tokens=self.expected_tokens(limit + len(in_flight)),
             limit=limit,
             in_flight=in_flight,
             **self.limits,

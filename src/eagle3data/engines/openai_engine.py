@@ -301,6 +301,8 @@ class OpenAIEngine:
             finish = choice.get("finish_reason") or "unknown"
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise TransientError(f"{url}: unexpected response shape ({exc!r})") from None
+        if finish == "abort":  # SGLang: the scheduler dropped the request; ask again
+            raise TransientError(f"{url}: generation aborted by the server")
         usage = payload.get("usage") or {}
         completion_tokens = usage.get("completion_tokens")
         prompt_tokens = usage.get("prompt_tokens", 0)

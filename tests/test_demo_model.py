@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from eagle3data.chat import tokenize_conversation
-from eagle3data.demo_model import INSTALL_HINT, convert_gguf, find_demo_gguf
+from eagle3data.demo_model import INSTALL_HINT, find_demo_gguf
 from eagle3data.engines.transformers_engine import TransformersEngine
 from eagle3data.extract import HiddenStateExtractor
 
@@ -26,13 +26,6 @@ GREEDY = {
     "repetition_penalty": 1.0,
     "stop": [],
 }
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
-    convert_gguf(find_demo_gguf(), out)
-    return out
 
 
 def test_conversion_writes_a_loadable_bf16_llama(smollm2_dir: Path) -> None:

@@ -270,3 +270,38 @@ def test_api_key_is_sent_and_never_logged(tmp_path: Path, caplog, monkeypatch) -
     assert len(result.rows) == 2
     assert "sk-secret-123" not in caplog.text
     assert "sk-secret-123" not in (tmp_path / "key" / "journal.jsonl").read_text()
+
+
+def test_reasoning_and_template_kwargs_go_through(tmp_path: Path) -> None:
+    with FakeOpenAIServer(reasoning=True, reasoning_tokens=4, mean_tokens=12) as server:
+        j = job(tmp_path, n=4)
+        result = run_generation(
+            j,
+            lambda: OpenAIEngine(
+                HttpSettings(
+                    endpoints=[server.url],
+                    model="fake-model",
+                    extra_body={"presence_penalty": 0.5},
+                ),
+                sampling={**SAMPLING, "top_k": 20, "stop": ["###"]},
+                seed=7,
+                chat_template_kwargs={"enable_thinking": True},
+            ),
+            streaming=True,
+        )
+        bodies = server.requests
+    first = result.rows[0]["messages"]
+    assert first[1]["reasoning_content"].startswith("Thinking about")
+    # The regenerated reasoning is sent back with the history of the next turn.
+    follow_up = next(b for b in bodies if b["messages"][-1]["content"] == "follow-up 0")
+    assert follow_up["messages"][1]["reasoning_content"] == first[1]["reasoning_content"]
+    for b in bodies:
+        assert b["chat_template_kwargs"] == {"enable_thinking": True}
+        assert b["top_k"] == 20 and b["stop"] == ["###"] and b["seed"] == 7
+        assert b["presence_penalty"] == 0.5
+    # Reasoning tokens are completion tokens: they count against the budget.
+    single = [r for r in result.rows if len(r["turns"]) == 1]
+    assert single
+    for r in single:
+        asked = [{"role": "user", "content": r["messages"][0]["content"]}]
+        assert r["usage"]["completion_tokens"] == server.completion_tokens_for(asked)

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,35 @@ class Workflow:
             env=_env(),
             start_new_session=True,
         )
+
+    def kill_and_resume(self, target: str, sig: signal.Signals, after_records: int) -> list[str]:
+        """Start ``target``, kill the process group once the generation journal has
+        ``after_records`` lines, check nothing partial was declared, then re-run the
+        same command (after --unlock for SIGKILL, as README says). Returns the
+        journal lines present at the kill."""
+        proc = self.start(target)
+        deadline = time.monotonic() + 300
+        while len(self.journal_lines("A1")) < after_records:
+            assert proc.poll() is None, "generation finished before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert kill_group(proc, sig) != 0
+        assert not self.path(target).exists(), "no partial declared output"
+        partial = self.journal_lines("A1")
+        if sig == signal.SIGKILL:
+            self.run("--unlock")
+        self.run(target)
+        return partial
+
+    def assert_resumed(self, partial: list[str], reference: Workflow) -> None:
+        """Journal kept and extended without duplicates; output equals ``reference``'s."""
+        journal = self.journal_lines("A1")
+        ids = [json.loads(line)["id"] for line in journal]
+        assert len(ids) == len(set(ids)), "no response journaled twice"
+        assert journal[: len(partial)] == partial
+        assert self.stats("A1")["records_resumed"] >= len(partial)
+        output = "results/responses/A1.jsonl"
+        assert self.path(output).read_bytes() == reference.path(output).read_bytes()
 
     def plans_nothing(self, *targets: str) -> bool:
         proc = self.run("-n", *targets)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import h5py
@@ -19,7 +18,6 @@ import torch
 from conftest import (
     Workflow,
     alpaca_prompts,
-    kill_group,
     new_workflow,
     sharegpt_prompts,
     write_prompts,
@@ -186,28 +184,8 @@ def test_killed_generation_resumes_without_loss_or_duplicates(make_workflow, tmp
     reference.run("results/responses/A1.jsonl")
 
     wf = make_workflow(datasets, name="killed", **settings)
-    proc = wf.start("results/responses/A1.jsonl")
-    deadline = time.monotonic() + 300
-    while len(wf.journal_lines("A1")) < 6:
-        assert proc.poll() is None, "generation finished before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert kill_group(proc, sig) != 0
-    assert not wf.path("results/responses/A1.jsonl").exists(), "no partial declared output"
-    partial = wf.journal_lines("A1")
-
-    if sig == signal.SIGKILL:
-        wf.run("--unlock")
-    wf.run("results/responses/A1.jsonl")
-    journal = wf.journal_lines("A1")
-    ids = [json.loads(line)["id"] for line in journal]
-    assert len(ids) == len(set(ids)), "no prompt generated twice"
-    assert journal[: len(partial)] == partial
-    assert wf.stats("A1")["records_resumed"] >= len(partial)
-    assert (
-        wf.path("results/responses/A1.jsonl").read_bytes()
-        == reference.path("results/responses/A1.jsonl").read_bytes()
-    )
+    partial = wf.kill_and_resume("results/responses/A1.jsonl", sig, after_records=6)
+    wf.assert_resumed(partial, reference)
 
 
 def test_bad_input_fails_the_job_with_one_clear_line(make_workflow, tmp_path) -> None:
@@ -257,27 +235,8 @@ def test_killed_http_generation_resumes_without_loss_or_duplicates(
         server.reset()
 
         wf = make_workflow(datasets, name="killed", **http)
-        proc = wf.start("results/responses/A1.jsonl")
-        deadline = time.monotonic() + 120
-        while len(wf.journal_lines("A1")) < 10:
-            assert proc.poll() is None, "generation finished before it could be killed"
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        assert kill_group(proc, sig) != 0
-        partial = wf.journal_lines("A1")
-        assert not wf.path("results/responses/A1.jsonl").exists()
-        if sig == signal.SIGKILL:
-            wf.run("--unlock")
-        wf.run("results/responses/A1.jsonl")
+        partial = wf.kill_and_resume("results/responses/A1.jsonl", sig, after_records=10)
         completed_twice = [k for k, n in server.completed_per_conversation().items() if n > 1]
-    journal = wf.journal_lines("A1")
-    ids = [json.loads(line)["id"] for line in journal]
-    assert len(ids) == len(set(ids)), "no response journaled twice"
-    assert journal[: len(partial)] == partial
-    assert wf.stats("A1")["records_resumed"] >= len(partial)
+    wf.assert_resumed(partial, reference)
     # Only requests in flight at the kill (at most `concurrency`) can be answered again.
     assert len(completed_twice) <= 8
-    assert (
-        wf.path("results/responses/A1.jsonl").read_bytes()
-        == reference.path("results/responses/A1.jsonl").read_bytes()
-    )

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import polars as pl
+import pytest
 
 from eagle3data.extract import length_batches
 from eagle3data.settings import (
@@ -72,6 +73,39 @@ def test_length_batches_bound_padded_tokens_and_cover_every_sample() -> None:
         width = max(lengths[i] for i in b)
         assert width * len(b) <= 100 or len(b) == 1
     assert [5] in batches  # 250 tokens get a batch of their own
+
+
+def test_plan_fails_early_when_the_disk_cannot_hold_the_shards(tmp_path: Path, monkeypatch) -> None:
+    import shutil
+
+    from eagle3data.steps import DiskSpaceError
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 8, "dtype": "bfloat16"}))
+    tokenized = tmp_path / "t.parquet"
+    pl.DataFrame({"num_tokens": [1000, 1000]}).write_parquet(tokenized)
+    needed = 2000 * (4 * 8 * 2 + 5)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=needed - 1))
+    out = tmp_path / "hs" / "plan.json"
+    kwargs = dict(
+        dataset="A1",
+        tokenized_path=str(tokenized),
+        model_path=str(model),
+        hidden_cfg={"dtype": "auto", "shard_bytes": 10**9},
+        model_dtype="auto",
+        out_plan=str(out),
+    )
+    with pytest.raises(
+        DiskSpaceError, match=r"A1: the hidden states need about 138\.0 kB but only"
+    ):
+        plan_shards(**kwargs)
+    assert not out.exists()
+    # Shards about to be replaced count as free space.
+    (out.parent / "shard-00000.h5").write_bytes(b"x" * 10)
+    plan_shards(**kwargs)
+    assert json.loads(out.read_text())["estimated_bytes"] == needed
 
 
 def test_plan_shards_bounds_bytes_and_keeps_order(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (
         AuxLayerError,
         ChatTemplateError,
+        DiskSpaceError,
         EngineUnavailable,
         GenerationAborted,
         FileNotFoundError,
@@ -404,6 +406,7 @@ def plan_shards(
     if start < len(lengths):
         shards.append({"start": start, "end": len(lengths), "tokens": tokens})
     total = sum(lengths)
+    check_disk_space(dataset, Path(out_plan).parent, total * per_token)
     write_json(
         out_plan,
         {
@@ -424,6 +427,35 @@ def plan_shards(
         len(shards),
         total * per_token / 1e6,
     )
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+class DiskSpaceError(RuntimeError):
+    """The hidden states would not fit on the disk."""
+
+
+def check_disk_space(dataset: str, shard_dir: Path, needed: int) -> None:
+    """Fail before any forward pass when the shards cannot fit.
+
+    Shards already in the directory are about to be replaced, so their bytes
+    count as available.
+    """
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    replaced = sum(p.stat().st_size for p in shard_dir.glob("shard-*.h5"))
+    free = shutil.disk_usage(shard_dir).free + replaced
+    if needed > free:
+        raise DiskSpaceError(
+            f"{dataset}: the hidden states need about {human_bytes(needed)} but only "
+            f"{human_bytes(free)} are free on {shard_dir}; free space, move results/ to a "
+            "larger disk, or lower the token budget or hidden_states.max_seq_len"
+        )
 
 
 def _hidden_dtype(hidden_cfg: Mapping[str, Any], model_dtype: str) -> str:

@@ -6,9 +6,13 @@ the journal, atomically, only once the budget prefix is decided. A killed job
 therefore loses at most the batch in flight, and a re-run counts every token
 already in the journal against the budget.
 
-Dispatch decisions depend only on the journal's content, never on timing, so an
-interrupted and resumed run makes the same batches as an uninterrupted one and
-(greedy decoding) writes byte-identical output.
+In-process engines get batches whose composition depends only on the
+journal's content, never on timing, so an interrupted and resumed run makes the
+same batches as an uninterrupted one and (greedy decoding) writes byte-identical
+output. HTTP engines get single conversations as capacity frees up; which ones
+are in flight depends on timing, but the output does not: it is the prefix
+selected from the journal, and each conversation's answer depends only on the
+conversation (for a deterministic server).
 """
 
 from __future__ import annotations

@@ -134,3 +134,23 @@ def test_plan_shards_bounds_bytes_and_keeps_order(tmp_path: Path) -> None:
         assert s["tokens"] == sum(lengths[s["start"] : s["end"]])
         assert s["tokens"] <= 30 or s["end"] - s["start"] == 1
     assert plan["estimated_bytes"] == sum(lengths) * per_token
+
+
+def test_an_empty_dataset_validates_to_an_empty_manifest(tmp_path: Path) -> None:
+    from eagle3data.steps import validate
+
+    (tmp_path / "responses.jsonl").write_text("")
+    pl.DataFrame({"id": []}, schema={"id": pl.String}).write_parquet(tmp_path / "t.parquet")
+    (tmp_path / "t.stats.json").write_text(json.dumps({"dropped": [], "loss_tokens": 0}))
+    (tmp_path / "plan.json").write_text(json.dumps({"shards": [], "hidden_size": 8}))
+    validate(
+        dataset="A1",
+        responses_path=str(tmp_path / "responses.jsonl"),
+        tokenized_path=str(tmp_path / "t.parquet"),
+        tokenize_stats_path=str(tmp_path / "t.stats.json"),
+        plan_path=str(tmp_path / "plan.json"),
+        shard_paths=[],
+        out_manifest=str(tmp_path / "manifest.json"),
+    )
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["num_shards"] == manifest["num_samples"] == manifest["num_tokens"] == 0

@@ -240,3 +240,14 @@ def test_killed_http_generation_resumes_without_loss_or_duplicates(
     wf.assert_resumed(partial, reference)
     # Only requests in flight at the kill (at most `concurrency`) can be answered again.
     assert len(completed_twice) <= 8
+
+
+def test_a_zero_budget_gives_empty_but_complete_outputs(make_workflow, tmp_path) -> None:
+    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(5))
+    wf = make_workflow({"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": 0}})
+    wf.run()
+    assert wf.responses("A1") == []
+    assert wf.stats("A1")["beyond_limits"] == 5
+    manifest = json.loads(wf.path("results/hidden_states/A1/manifest.json").read_text())
+    assert manifest["num_shards"] == manifest["num_samples"] == 0
+    assert wf.plans_nothing()

@@ -573,10 +573,11 @@ def validate(
         raise ValidationError(
             f"{dataset}: {len(errors)} problem(s) found:\n" + "\n".join(f"  - {e}" for e in errors)
         )
-    with open_shard(shard_paths[0]) as first:
-        attrs = {
-            k: v for k, v in first.attrs.items() if k not in ("shard", "num_samples", "num_tokens")
-        }
+    attrs: dict[str, Any] = {}
+    if shard_paths:  # a dataset can be empty (e.g. token_budget 0): no shards, still valid
+        with open_shard(shard_paths[0]) as first:
+            skip = ("shard", "num_samples", "num_tokens")
+            attrs = {k: v for k, v in first.attrs.items() if k not in skip}
     manifest = {
         "dataset": dataset,
         "num_shards": len(shards),

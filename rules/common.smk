@@ -20,6 +20,22 @@ WORK_DIR = "results/.work"
 DEMO_MODEL_DIR = "resources/models/SmolLM2-135M-Instruct"
 
 
+def check_paths(config):
+    """Name missing files at parse time, before any job starts."""
+    problems = []
+    model_dir = Path(config["model"]["path"])
+    if model_dir != Path(DEMO_MODEL_DIR) and not (model_dir / "config.json").is_file():
+        problems.append(f"model.path: {model_dir} is not a model directory (no config.json there)")
+    for name, ds in config["datasets"].items():
+        if not Path(ds["path"]).is_file():
+            problems.append(f"datasets.{name}.path: {ds['path']} does not exist")
+    if problems:
+        raise ValueError("invalid config/config.yaml:\n  " + "\n  ".join(problems))
+
+
+check_paths(config)
+
+
 wildcard_constraints:
     dataset="|".join(re.escape(d) for d in DATASETS),
     shard=r"\d{5}",

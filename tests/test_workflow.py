@@ -203,12 +203,31 @@ def test_bad_input_fails_the_job_with_one_clear_line(make_workflow, tmp_path) ->
     assert not wf.path("results/prompts/A1.parquet").exists()
 
 
-def test_bad_config_fails_before_any_job(make_workflow, tmp_path) -> None:
+BAD_CONFIGS = [
+    ("negative budget", {"A1": {"token_budget": -5}}, "-5 is less than the minimum of 0"),
+    ("unknown key", {"A1": {"budget": 5}}, "Additional properties are not allowed ('budget'"),
+    ("wrong type", {"A1": {"max_samples": "ten"}}, "'ten' is not of type 'integer', 'null'"),
+    ("unknown format", {"A1": {"format": "csv"}}, "'csv' is not one of"),
+    ("missing dataset file", {"A1": {"path": "nowhere.jsonl"}}, "datasets.A1.path: nowhere"),
+    ("missing model", {"model": {"path": "no/such/model"}}, "model.path: no/such/model is not"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "message"), BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS]
+)
+def test_bad_config_fails_before_any_job(make_workflow, tmp_path, case, change, message) -> None:
     prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(3))
-    wf = make_workflow({"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": -5}})
+    wf = make_workflow({"A1": {"path": str(prompts), "format": "sharegpt"}})
+    if "model" in change:
+        wf.config["model"].update(change["model"])
+    else:
+        wf.config["datasets"]["A1"].update(change["A1"])
+    wf.write_config()
     proc = wf.run("-n", check=False)
     assert proc.returncode != 0
-    assert "-5 is less than the minimum of 0" in proc.stdout + proc.stderr
+    assert message in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
     assert not wf.path("results").exists()
 
 

@@ -156,28 +156,29 @@ class Workflow:
         ``after_records`` lines, check nothing partial was declared, then re-run the
         same command (after --unlock for SIGKILL, as README says). Returns the
         journal lines present at the kill."""
+        dataset = Path(target).stem
         proc = self.start(target)
         deadline = time.monotonic() + 300
-        while len(self.journal_lines("A1")) < after_records:
+        while len(self.journal_lines(dataset)) < after_records:
             assert proc.poll() is None, "generation finished before it could be killed"
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert kill_group(proc, sig) != 0
         assert not self.path(target).exists(), "no partial declared output"
-        partial = self.journal_lines("A1")
+        partial = self.journal_lines(dataset)
         if sig == signal.SIGKILL:
             self.run("--unlock")
         self.run(target)
         return partial
 
-    def assert_resumed(self, partial: list[str], reference: Workflow) -> None:
+    def assert_resumed(self, dataset: str, partial: list[str], reference: Workflow) -> None:
         """Journal kept and extended without duplicates; output equals ``reference``'s."""
-        journal = self.journal_lines("A1")
+        journal = self.journal_lines(dataset)
         ids = [json.loads(line)["id"] for line in journal]
         assert len(ids) == len(set(ids)), "no response journaled twice"
         assert journal[: len(partial)] == partial
-        assert self.stats("A1")["records_resumed"] >= len(partial)
-        output = "results/responses/A1.jsonl"
+        assert self.stats(dataset)["records_resumed"] >= len(partial)
+        output = f"results/responses/{dataset}.jsonl"
         assert self.path(output).read_bytes() == reference.path(output).read_bytes()
 
     def plans_nothing(self, *targets: str) -> bool:

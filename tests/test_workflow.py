@@ -185,7 +185,7 @@ def test_killed_generation_resumes_without_loss_or_duplicates(make_workflow, tmp
 
     wf = make_workflow(datasets, name="killed", **settings)
     partial = wf.kill_and_resume("results/responses/A1.jsonl", sig, after_records=6)
-    wf.assert_resumed(partial, reference)
+    wf.assert_resumed("A1", partial, reference)
 
 
 def test_bad_input_fails_the_job_with_one_clear_line(make_workflow, tmp_path) -> None:
@@ -256,7 +256,7 @@ def test_killed_http_generation_resumes_without_loss_or_duplicates(
         wf = make_workflow(datasets, name="killed", **http)
         partial = wf.kill_and_resume("results/responses/A1.jsonl", sig, after_records=10)
         completed_twice = [k for k, n in server.completed_per_conversation().items() if n > 1]
-    wf.assert_resumed(partial, reference)
+    wf.assert_resumed("A1", partial, reference)
     # Only requests in flight at the kill (at most `concurrency`) can be answered again.
     assert len(completed_twice) <= 8
 

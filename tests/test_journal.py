@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from eagle3data.atomic import atomic_open, atomic_path, dumps_line, write_json, write_jsonl
+from eagle3data.atomic import (
+    atomic_open,
+    atomic_path,
+    dumps_line,
+    remove_stale_temporaries,
+    write_json,
+    write_jsonl,
+)
 from eagle3data.journal import JournalLockedError, JournalWriter, read_journal
 
 # --------------------------------------------------------------------------- journal
@@ -310,3 +317,86 @@ def test_atomic_outputs_follow_the_umask_not_0600(tmp_path, umask, mask):
         assert mode == expected, (name, oct(mode), oct(expected))
     if mask == 0o022:
         assert expected & stat.S_IRGRP and expected & stat.S_IROTH
+
+
+# --------------------------------------------------------------------------- stale temporaries
+
+_WRITER = """
+import sys, time
+from eagle3data.atomic import atomic_path
+with atomic_path(sys.argv[1]) as tmp:
+    tmp.write_bytes(b"half-written")
+    print(tmp, flush=True)
+    time.sleep(600)
+"""
+
+
+def _start_writer(target: Path) -> tuple[subprocess.Popen[str], Path]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(target)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    return proc, Path(proc.stdout.readline().strip())
+
+
+def _age(path: Path, seconds: float) -> None:
+    old = time.time() - seconds
+    os.utime(path, (old, old))
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write(tmp_path):
+    target = tmp_path / "shard-00001.h5"
+    proc, tmp = _start_writer(target)
+    assert tmp.exists() and tmp.name.startswith(".shard-00001.h5.")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert tmp.exists(), "SIGKILL skips every cleanup"
+    unrelated = tmp_path / ".shard-00002.h5.1.abc.tmp"
+    unrelated.write_text("another target's")
+    _age(unrelated, 3600)
+
+    write_json(target, {"done": True})
+    assert not tmp.exists()
+    assert unrelated.exists(), "only temporaries of the target being written are touched"
+    assert json.loads(target.read_text()) == {"done": True}
+
+
+def test_a_live_writers_temporary_is_never_removed(tmp_path):
+    target = tmp_path / "out.json"
+    proc, tmp = _start_writer(target)
+    try:
+        _age(tmp, 3600)  # even when old: its writer is still running
+        assert remove_stale_temporaries(target) == []
+        write_json(target, {"second": "writer"})
+        assert tmp.read_bytes() == b"half-written"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert remove_stale_temporaries(target) == [tmp]
+
+
+def test_temporaries_of_other_hosts_or_unknown_writers_are_kept(tmp_path):
+    from eagle3data import atomic
+
+    target = tmp_path / "x.json"
+    dead_pid = _start_writer(tmp_path / "y.json")[0]
+    dead_pid.kill()
+    dead_pid.wait()
+    other_host = tmp_path / f".x.json.other-node_{dead_pid.pid}.abcd.tmp"
+    unknown = tmp_path / ".x.json.abcd.tmp"
+    ours = tmp_path / f".x.json.{atomic._HOST}_{dead_pid.pid}.abcd.tmp"
+    for path in (other_host, unknown, ours):
+        path.write_text("")
+    assert remove_stale_temporaries(target) == [ours]
+    assert other_host.exists() and unknown.exists()
+
+
+def test_library_writers_work_on_the_temporary(tmp_path):
+    import h5py
+    import polars as pl
+
+    with atomic_path(tmp_path / "a.h5") as tmp, h5py.File(tmp, "w") as f:
+        f["x"] = [1, 2, 3]
+    with atomic_path(tmp_path / "b.parquet") as tmp:
+        pl.DataFrame({"x": [1, 2, 3]}).write_parquet(tmp)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.h5", "b.parquet"]

@@ -4,13 +4,20 @@ A declared output must exist only when complete, so every writer goes through
 a temporary file in the destination directory (same filesystem, so the final
 ``os.replace`` is atomic) that is fsynced before the rename, with the
 directory fsynced after it so the rename itself survives a power loss.
+
+A killed writer leaves its temporary behind; the temporary's name says which
+host and process wrote it, so the next writer of the same target removes the
+ones whose process is gone and never one that a live process is still writing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
+import re
+import socket
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -37,14 +44,18 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
 
     The caller writes the temporary file itself (useful for libraries such as
     h5py or polars that want a file name); it is fsynced before the rename.
+    Temporaries that killed writers left for the same target are removed first.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    remove_stale_temporaries(target)
+    fd, tmp_name = tempfile.mkstemp(
+        prefix=f"{_temp_prefix(target)}{_WRITER_TAG}.", suffix=TEMP_SUFFIX, dir=target.parent
+    )
     os.close(fd)
     tmp = Path(tmp_name)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs are shared data
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs are shared data
         yield tmp
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
@@ -52,6 +63,47 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         fsync_dir(target.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+TEMP_SUFFIX = ".tmp"
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+# Who writes a temporary is part of its name: ``.<target>.<host>_<pid>.<random>.tmp``.
+# (A lock on the file itself would clash with HDF5's own file locking.)
+_WRITER_TAG = f"{_HOST}_{os.getpid()}"
+
+
+def _temp_prefix(target: Path) -> str:
+    return f".{target.name}."
+
+
+def remove_stale_temporaries(target: str | os.PathLike[str]) -> list[Path]:
+    """Delete temporaries of ``target`` whose writer is dead; return what was removed.
+
+    Only this host's temporaries are judged (by whether the writing pid still
+    exists), so a live writer on another machine sharing the directory is never
+    disturbed; a reused pid merely keeps a stale file. Anything else is kept.
+    """
+    target = Path(target)
+    prefix = _temp_prefix(target)
+    removed = []
+    for tmp in target.parent.glob(f"{glob.escape(prefix)}*{TEMP_SUFFIX}"):
+        host, _, pid = tmp.name[len(prefix) :].split(".", 1)[0].rpartition("_")
+        if host == _HOST and pid.isdigit() and not _pid_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
 
 
 @contextlib.contextmanager

@@ -111,6 +111,7 @@ class Workflow:
             else:
                 shutil.copy2(src, dst)
         self.config = config
+        self.env: dict[str, str] = {}  # extra environment for every snakemake run
         self.write_config()
 
     def write_config(self) -> None:
@@ -130,7 +131,7 @@ class Workflow:
             capture_output=True,
             text=True,
             timeout=timeout,
-            env=_env(),
+            env=_env(self.env),
         )
         if check and proc.returncode != 0:
             raise AssertionError(
@@ -147,7 +148,7 @@ class Workflow:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             text=True,
-            env=_env(),
+            env=_env(self.env),
             start_new_session=True,
         )
 
@@ -201,9 +202,10 @@ class Workflow:
         return files[0].read_text(encoding="utf-8").splitlines() if files else []
 
 
-def _env() -> dict[str, str]:
+def _env(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
     return env
 
 

@@ -16,4 +16,4 @@ include: "rules/hidden_states.smk"
 rule all:
     default_target: True
     input:
-        final_targets(),
+        all_targets,

@@ -3,6 +3,7 @@ import re
 import sys
 from pathlib import Path
 
+from snakemake.logging import logger
 from snakemake.utils import min_version, validate
 
 # The workflow's logic lives in src/eagle3data; make it importable without an install.
@@ -104,3 +105,33 @@ def shard_files(wildcards):
 
 def final_targets():
     return [f"results/hidden_states/{ds}/manifest.json" for ds in DATASETS]
+
+
+_PREVIEW_SHOWN = []
+
+
+def show_preview_on_dry_run():
+    """Print the hidden-state byte estimate once per dry run.
+
+    Called from input functions: they run while the DAG is built, when
+    workflow.dryrun is known (at parse time it is always False).
+    """
+    if workflow.dryrun and not _PREVIEW_SHOWN:
+        _PREVIEW_SHOWN.append(True)
+        from eagle3data.preview import preview_lines
+
+        for line in preview_lines(config):
+            logger.info(line)
+
+
+def all_targets(wildcards):
+    show_preview_on_dry_run()
+    return final_targets()
+
+
+def plan_shards_input(wildcards):
+    show_preview_on_dry_run()
+    return {
+        "tokenized": f"results/tokenized/{wildcards.dataset}.parquet",
+        "model": model_config_file(),
+    }

@@ -1,7 +1,6 @@
 checkpoint plan_shards:
     input:
-        tokenized="results/tokenized/{dataset}.parquet",
-        model=model_config_file(),
+        unpack(plan_shards_input),
     output:
         plan="results/hidden_states/{dataset}/plan.json",
     log:

@@ -8,6 +8,7 @@ second run, kill-and-resume without loss or duplication, budget changes.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -175,6 +176,72 @@ def test_budget_changes_reuse_the_sidecar(generated: Workflow) -> None:
     assert finished.responses("A1") == rows_before[: len(finished.responses("A1"))]
 
 
+def _planned_datasets(wf: Workflow, *targets: str) -> set[str]:
+    lines = wf.run("-n", *targets).stdout.splitlines()
+    return {line.split("dataset=")[1].split(",")[0] for line in lines if "dataset=" in line}
+
+
+def _sidecars(wf: Workflow, dataset: str) -> list[Path]:
+    return sorted(wf.path(f"results/.work/generate/{dataset}").glob("*.jsonl"))
+
+
+def test_a_budget_change_reruns_only_that_dataset(generated: Workflow) -> None:
+    wf = generated
+    targets = ("results/responses/A1.jsonl", "results/responses/B2.jsonl")
+    wf.run(*targets)
+    assert wf.plans_nothing(*targets)
+    wf.config["datasets"]["B2"]["max_samples"] = 9
+    wf.write_config()
+    assert _planned_datasets(wf, *targets) == {"B2"}
+    wf.config["datasets"]["A1"]["token_budget"] = 150
+    wf.write_config()
+    assert _planned_datasets(wf, *targets) == {"A1", "B2"}
+
+
+@pytest.mark.parametrize("change", ["sampling", "model"])
+def test_sampling_or_model_change_starts_a_new_sidecar_and_says_so(
+    generated: Workflow, tmp_path: Path, tiny_model_dir: Path, change: str
+) -> None:
+    wf = generated
+    [old] = _sidecars(wf, "A1")
+    old_bytes = old.read_bytes()
+    if change == "sampling":
+        wf.config["generation"]["sampling"]["max_tokens"] = 6
+    else:  # another model: same architecture, different config
+        other = tmp_path / "other-model"
+        shutil.copytree(tiny_model_dir, other)
+        config = json.loads((other / "config.json").read_text())
+        config["rms_norm_eps"] = 1e-5 if config.get("rms_norm_eps") != 1e-5 else 1e-6
+        (other / "config.json").write_text(json.dumps(config))
+        wf.config["model"]["path"] = str(other)
+    wf.write_config()
+    assert _planned_datasets(wf, "results/responses/A1.jsonl") == {"A1"}
+    wf.run("results/responses/A1.jsonl")
+
+    sidecars = _sidecars(wf, "A1")
+    assert len(sidecars) == 2 and old in sidecars
+    assert old.read_bytes() == old_bytes, "earlier progress is kept untouched"
+    [new] = [p for p in sidecars if p != old]
+    log = wf.path("logs/generate/A1.log").read_text()
+    assert "generation settings differ from the 1 earlier sidecar(s)" in log
+    assert f"starting a new sidecar {new.name}" in log
+    stats = wf.stats("A1")
+    assert stats["records_resumed"] == 0 and stats["settings_key"] == new.stem
+    assert all(r["model"] for r in wf.responses("A1"))
+
+
+def test_edited_code_reruns_nothing(generated: Workflow) -> None:
+    wf = generated
+    target = "results/responses/A1.jsonl"
+    for rel in ("scripts/generate.py", "src/eagle3data/generation.py", "rules/generate.smk"):
+        with wf.path(rel).open("a") as fh:
+            fh.write("\n# edited\n")
+    assert wf.plans_nothing(target), "the profile's rerun triggers leave out code"
+    # Without the profile's triggers Snakemake would redo the generation:
+    all_triggers = ("--rerun-triggers", "mtime", "params", "input", "software-env", "code")
+    assert "generate" in wf.run("-n", target, *all_triggers).stdout
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_killed_generation_resumes_without_loss_or_duplicates(make_workflow, tmp_path, sig) -> None:
     prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(80))
@@ -270,3 +337,32 @@ def test_a_zero_budget_gives_empty_but_complete_outputs(make_workflow, tmp_path)
     manifest = json.loads(wf.path("results/hidden_states/A1/manifest.json").read_text())
     assert manifest["num_shards"] == manifest["num_samples"] == 0
     assert wf.plans_nothing()
+
+
+def _dry_run_output(wf: Workflow) -> str:
+    proc = wf.run("-n")
+    return proc.stdout + proc.stderr
+
+
+def test_dry_run_prints_the_hidden_state_estimate(generated: Workflow) -> None:
+    wf = generated
+    per_token = (3 * 64 + 64) * 2 + 5  # tiny model: H=64, bfloat16, int32 id + uint8 mask
+    out = _dry_run_output(wf)
+    n = len(wf.responses("A1"))
+    line = next(x for x in out.splitlines() if x.strip().startswith("A1:"))
+    assert f"A1: {n} conversations, about " in line and f"x {per_token} B" in line, line
+    assert line.endswith("(decided)")
+    estimate = int(line.split("about ")[1].split(" tokens")[0])
+    assert "B2: unknown until something is generated (no token_budget)" in out
+    assert "total: " in out and "free on results" in out
+
+    wf.run("results/tokenized/A1.parquet")
+    actual = pl.read_parquet(wf.path("results/tokenized/A1.parquet"))["num_tokens"].sum()
+    # Engine counts vs the final render: ChatML adds one "\n" after each <|im_end|>.
+    assert abs(estimate - actual) <= 0.05 * actual, (estimate, actual)
+
+    wf.config["datasets"]["A1"]["token_budget"] = 400
+    wf.write_config()
+    line = next(x for x in _dry_run_output(wf).splitlines() if x.strip().startswith("A1:"))
+    assert line.endswith("(extrapolated)"), line
+    assert int(line.split("about ")[1].split(" tokens")[0]) > 2 * estimate

@@ -121,3 +121,8 @@ def hidden_size(model_config: Mapping[str, Any]) -> int:
 
 def resolve_dtype_name(requested: str, model_config: Mapping[str, Any]) -> str:
     return declared_dtype(model_config) if requested == "auto" else requested
+
+
+def hidden_state_dtype(hidden_cfg: Mapping[str, Any], model_dtype: str) -> str:
+    """The dtype hidden states are stored in, before resolving ``auto`` from the model."""
+    return model_dtype if hidden_cfg["dtype"] == "auto" else hidden_cfg["dtype"]

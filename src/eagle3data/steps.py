@@ -18,8 +18,15 @@ import polars as pl
 
 from .atomic import atomic_path, write_json, write_jsonl
 from .generation import ErrorLimits, GenerationJob, Prompt, run_generation, write_outputs
+from .preview import human_bytes
 from .prompts import read_prompts, seeded_order
-from .settings import generation_key, generation_settings, model_fingerprint, model_name
+from .settings import (
+    generation_key,
+    generation_settings,
+    hidden_state_dtype,
+    model_fingerprint,
+    model_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +397,7 @@ def plan_shards(
     from .shards import bytes_per_token
 
     model_config = read_model_config(model_path)
-    dtype = resolve_dtype_name(_hidden_dtype(hidden_cfg, model_dtype), model_config)
+    dtype = resolve_dtype_name(hidden_state_dtype(hidden_cfg, model_dtype), model_config)
     width = hidden_size(model_config)
     per_token = bytes_per_token(width, dtype)
     lengths = pl.read_parquet(tokenized_path, columns=["num_tokens"])["num_tokens"].to_list()
@@ -429,14 +436,6 @@ def plan_shards(
     )
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
 class DiskSpaceError(RuntimeError):
     """The hidden states would not fit on the disk."""
 
@@ -456,10 +455,6 @@ def check_disk_space(dataset: str, shard_dir: Path, needed: int) -> None:
             f"{human_bytes(free)} are free on {shard_dir}; free space, move results/ to a "
             "larger disk, or lower the token budget or hidden_states.max_seq_len"
         )
-
-
-def _hidden_dtype(hidden_cfg: Mapping[str, Any], model_dtype: str) -> str:
-    return model_dtype if hidden_cfg["dtype"] == "auto" else hidden_cfg["dtype"]
 
 
 def extract_shard(
@@ -489,7 +484,7 @@ def extract_shard(
         model_path,
         aux_layers=hidden_cfg["aux_layers"],
         convention=hidden_cfg["aux_layer_convention"],
-        dtype=_hidden_dtype(hidden_cfg, model_dtype),
+        dtype=hidden_state_dtype(hidden_cfg, model_dtype),
         device=hidden_cfg["device"],
     )
     dtype = dtype_name(extractor.dtype)

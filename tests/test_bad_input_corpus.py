@@ -4,6 +4,8 @@ same record is listed with the same reason and the good records are kept."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,22 @@ def test_a_1mb_prompt_is_accepted_by_the_prompts_stage(tmp_path: Path) -> None:
     path.write_text(f'{{"prompt": "{text}"}}\n')
     (conv,) = read_prompts(path, "prompt").conversations
     assert len(conv.messages[0]["content"]) == 1_000_000
+
+
+@pytest.mark.e2e
+def test_a_prompt_longer_than_the_context_is_a_recorded_failure(make_workflow, tmp_path) -> None:
+    from conftest import write_prompts
+
+    huge = {"prompt": "word " * 200_000}  # 1 MB, ~200k tokens; the tiny model has 512
+    records = [{"prompt": f"Say {i}."} for i in range(3)] + [huge]
+    path = write_prompts(tmp_path / "P.jsonl", records)
+    wf = make_workflow({"P": {"path": str(path), "format": "prompt"}})
+    wf.run("results/responses/P.jsonl")
+
+    [error] = [json.loads(line) for line in wf.path("results/responses/P.errors.jsonl").open()]
+    assert re.fullmatch(r"turn 1: prompt has \d+ tokens; the model context is 512", error["error"])
+    stats = wf.stats("P")
+    assert (stats["prompts"], stats["in_output"], stats["failed"]) == (4, 3, 1)
+    assert all("word word" not in json.dumps(r) for r in wf.responses("P"))
+    log = wf.path("logs/generate/P.log").read_text()
+    assert "accounting: 4 prompts = 3 in output + 1 failed + 0 beyond limits" in log

@@ -281,6 +281,11 @@ class _Run:
         )
 
     def commit(self, new: list[dict[str, Any]]) -> None:
+        # When a record was journaled: the status command's rate and ETA. Never copied
+        # into the responses, which stay a function of the engine's outputs alone.
+        finished_at = round(time.time(), 3)
+        for rec in new:
+            rec["finished_at"] = finished_at
         self.journal.append_many(new)
         for rec in new:
             outcome = _outcome(rec)

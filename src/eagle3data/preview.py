@@ -16,15 +16,12 @@ order and the generation journal, both cheap, and gets better as generation goes
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import polars as pl
-
-from .budget import Outcome, select_prefix
-from .journal import read_journal
+from .progress import dataset_progress, journal_summary, prompt_order
 from .settings import (
     generation_key,
     generation_settings,
@@ -63,67 +60,44 @@ def model_bytes_per_token(config: Mapping[str, Any]) -> int | None:
     return bytes_per_token(hidden_size(model_config), resolve_dtype_name(requested, model_config))
 
 
-def _conversation_tokens(record: Mapping[str, Any], max_seq_len: int) -> int:
-    last = record["turns"][-1]
-    return min(int(last["prompt_tokens"]) + int(last["completion_tokens"]), max_seq_len)
-
-
 def estimate_hidden_states(
     config: Mapping[str, Any], dataset: str, results_dir: str | Path = "results"
 ) -> HiddenStateEstimate:
     results = Path(results_dir)
     ds_cfg = config["datasets"][dataset]
     budget, max_samples = ds_cfg.get("token_budget"), ds_cfg.get("max_samples")
-    max_seq_len = int(config["hidden_states"]["max_seq_len"])
     per_token = model_bytes_per_token(config)
-
-    def lower_bound() -> HiddenStateEstimate:
+    prompts_file = results / "prompts" / f"{dataset}.parquet"
+    progress = None
+    if per_token is not None and prompts_file.exists():
+        progress = dataset_progress(
+            *prompt_order(prompts_file),
+            journal_summary(journal_path(config, dataset, results), status_cache(results)),
+            token_budget=budget,
+            max_samples=max_samples,
+            max_seq_len=int(config["hidden_states"]["max_seq_len"]),
+        )
+    if progress is None or progress.basis == "nothing yet":
         if budget is None:
             return HiddenStateEstimate(dataset, "unknown", max_samples, None, per_token)
         return HiddenStateEstimate(dataset, "lower bound", None, budget, per_token)
-
-    prompts_file = results / "prompts" / f"{dataset}.parquet"
-    if per_token is None or not prompts_file.exists():
-        return lower_bound()
-    key = generation_key(generation_settings(config), model_fingerprint(config["model"]["path"]))
-    journal = results / ".work" / "generate" / dataset / f"{key}.jsonl"
-    prompts = pl.read_parquet(prompts_file, columns=["index", "id", "prompt_hash"]).sort("index")
-    wanted = dict(zip(prompts["id"].to_list(), prompts["prompt_hash"].to_list(), strict=True))
-    records: dict[str, Mapping[str, Any]] = {}
-    for rec in read_journal(journal):
-        if wanted.get(rec.get("id")) == rec.get("prompt_hash"):
-            records.setdefault(rec["id"], rec)
-    outcomes = {
-        pid: Outcome(0, failed=True)
-        if r["status"] == "failed"
-        else Outcome(int(r["usage"]["completion_tokens"]))
-        for pid, r in records.items()
-    }
-    order: Sequence[str] = prompts["id"].to_list()
-    sel = select_prefix(order, outcomes, token_budget=budget, max_samples=max_samples)
-    known = [records[order[pos]] for pos in sel.selected]
-    tokens = sum(_conversation_tokens(r, max_seq_len) for r in known)
-    if sel.complete:
-        return HiddenStateEstimate(dataset, "decided", len(known), tokens, per_token)
-    ok = [r for r in records.values() if r["status"] != "failed"]
-    if not ok:
-        return lower_bound()
-    # Extrapolate the undecided rest at the cost of the conversations seen so far.
-    per_conversation = sum(_conversation_tokens(r, max_seq_len) for r in ok) / len(ok)
-    completion = sum(int(r["usage"]["completion_tokens"]) for r in ok) / len(ok)
-    remaining = len(order) - sel.frontier
-    more = float(remaining)
-    if budget is not None:
-        more = min(more, max(budget - sel.tokens, 0) / max(completion, 1.0))
-    if max_samples is not None:
-        more = min(more, max_samples - len(known))
     return HiddenStateEstimate(
         dataset,
-        "extrapolated",
-        len(known) + round(more),
-        tokens + round(more * per_conversation),
+        "decided" if progress.basis == "decided" else "extrapolated",
+        progress.expected_conversations,
+        progress.expected_tokens,
         per_token,
     )
+
+
+def journal_path(config: Mapping[str, Any], dataset: str, results_dir: str | Path) -> Path:
+    """The journal the current generation settings write (see steps.sidecar_path)."""
+    key = generation_key(generation_settings(config), model_fingerprint(config["model"]["path"]))
+    return Path(results_dir) / ".work" / "generate" / dataset / f"{key}.jsonl"
+
+
+def status_cache(results_dir: str | Path) -> Path:
+    return Path(results_dir) / ".work" / "status"
 
 
 def human_bytes(n: float) -> str:

@@ -1,0 +1,129 @@
+"""The status command on real pipeline state (a run stopped mid-generation, then a
+finished one) and the incremental journal summary behind it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import alpaca_prompts, kill_group, sharegpt_prompts, write_prompts
+
+from eagle3data.atomic import dumps_line
+from eagle3data.progress import journal_summary
+from eagle3data.status import main
+
+
+def _record(i: int, tokens: int, *, failed: bool = False) -> dict:
+    if failed:
+        return {"id": f"p{i}", "prompt_hash": "h", "status": "failed", "error": "x",
+                "completion_tokens_spent": tokens}  # fmt: skip
+    return {
+        "id": f"p{i}",
+        "prompt_hash": "h",
+        "status": "ok",
+        "usage": {"prompt_tokens": 10, "completion_tokens": tokens},
+        "turns": [{"prompt_tokens": 10, "completion_tokens": tokens}],
+        "finished_at": 1000.0 + i,
+    }
+
+
+def test_journal_summary_reads_only_what_was_appended(tmp_path: Path) -> None:
+    journal = tmp_path / "gen" / "A1" / "k.jsonl"
+    journal.parent.mkdir(parents=True)
+    cache = tmp_path / "cache"
+    journal.write_text("".join(dumps_line(_record(i, 5 + i)) for i in range(3)))
+    first = journal_summary(journal, cache)
+    assert first["id"].to_list() == ["p0", "p1", "p2"]
+    assert first["conversation_tokens"].to_list() == [15, 16, 17]
+
+    # Appended records (and a torn tail, never summarised) are read from the cached offset.
+    with journal.open("a") as fh:
+        fh.write(dumps_line(_record(3, 1, failed=True)) + '{"id": "p4", "sta')
+    second = journal_summary(journal, cache)
+    assert second["id"].to_list() == ["p0", "p1", "p2", "p3"]
+    assert second.row(3, named=True)["failed"] and second["spent_tokens"].to_list()[3] == 1
+    assert second["completion_tokens"].to_list()[3] == 0
+    assert (
+        json.loads((cache / "A1-k.json").read_text())["offset"]
+        == len(journal.read_bytes().rsplit(b"\n", 1)[0]) + 1
+    )
+
+    # A journal restarted from scratch (shorter than the cached offset) is re-read.
+    journal.write_text(dumps_line(_record(9, 2)))
+    assert journal_summary(journal, cache)["id"].to_list() == ["p9"]
+
+
+@pytest.mark.e2e
+def test_status_mid_generation_and_after_the_run(make_workflow, tmp_path, capsys) -> None:
+    a1 = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(80))
+    b2 = write_prompts(tmp_path / "B2.jsonl", alpaca_prompts(10))
+    datasets = {
+        "A1": {"path": str(a1), "format": "sharegpt", "token_budget": 400},
+        "B2": {"path": str(b2), "format": "alpaca", "max_samples": 4},
+    }
+    wf = make_workflow(datasets, generation={"batch_size": 2})
+    proc = wf.start("results/responses/A1.jsonl")
+    deadline = time.monotonic() + 300
+    while len(wf.journal_lines("A1")) < 8:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    kill_group(proc, signal.SIGTERM)
+
+    journal = [json.loads(line) for line in wf.journal_lines("A1")]
+    order = _order(wf, "A1")
+    by_id = {r["id"]: r for r in journal}
+    prefix = []
+    for pid in order:  # the budget prefix decided so far, computed here independently
+        if pid not in by_id:
+            break
+        prefix.append(by_id[pid])
+    tokens = sum(r["usage"]["completion_tokens"] for r in prefix)
+
+    assert main(["-d", str(wf.root), "--json"]) == 0
+    status = {d["dataset"]: d for d in json.loads(capsys.readouterr().out)["datasets"]}
+    a = status["A1"]
+    assert a["stage"] == "generate"
+    assert (a["prompts"], a["conversations_done"], a["completion_tokens"]) == (
+        80,
+        len(prefix),
+        tokens,
+    )
+    generated = sum(r["usage"]["completion_tokens"] for r in journal)
+    assert a["waste_tokens"] == generated - tokens
+    assert a["token_budget"] == 400 and a["budget_used"] == pytest.approx(tokens / 400)
+    assert a["tokens_per_s"] > 0 and a["eta_s"] > 0
+    assert a["conversations_planned"] > a["conversations_done"]
+    assert a["estimate_basis"] == "extrapolated" and a["bytes_estimated"] > 0
+    assert (a["shards_done"], a["shards_planned"], a["bytes_on_disk"]) == (0, None, 0)
+    assert status["B2"]["stage"] == "prompts" and status["B2"]["prompts"] is None
+
+    assert main(["-d", str(wf.root)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["dataset", "stage", "conversations"]
+    assert table[1].split()[:4] == ["A1", "generate", f"{len(prefix)}/{a['conversations_planned']}",
+                                    f"{tokens}/400"]  # fmt: skip
+
+    wf.run()
+    assert main(["-d", str(wf.root), "--json"]) == 0
+    status = {d["dataset"]: d for d in json.loads(capsys.readouterr().out)["datasets"]}
+    for ds, st in status.items():
+        stats = wf.stats(ds)
+        manifest = json.loads(wf.path(f"results/hidden_states/{ds}/manifest.json").read_text())
+        shards = sorted(wf.path(f"results/hidden_states/{ds}").glob("shard-*.h5"))
+        assert st["stage"] == "done"
+        assert st["conversations_done"] == st["conversations_planned"] == stats["in_output"]
+        assert st["completion_tokens"] == stats["completion_tokens"]
+        assert st["waste_tokens"] == stats["waste_tokens"]
+        assert st["shards_done"] == st["shards_planned"] == manifest["num_shards"] == len(shards)
+        assert st["bytes_on_disk"] == sum(p.stat().st_size for p in shards)
+        assert st["eta_s"] is None
+
+
+def _order(wf, dataset: str) -> list[str]:
+    import polars as pl
+
+    df = pl.read_parquet(wf.path(f"results/prompts/{dataset}.parquet")).sort("index")
+    return df["id"].to_list()

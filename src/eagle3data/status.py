@@ -61,9 +61,11 @@ def _rate(records: pl.DataFrame, now: float) -> float | None:
     if stamped.height == 0:
         return None
     start = max(now - RATE_WINDOW_S, float(stamped["finished_at"].min()))  # type: ignore[arg-type]
-    recent = stamped.filter(pl.col("finished_at") >= start)
     if now <= start:
         return None
+    # Strictly after the start: when the window opens at the first record, that record's
+    # tokens were generated before it and would inflate the rate.
+    recent = stamped.filter(pl.col("finished_at") > start)
     return float(recent["spent_tokens"].sum()) / (now - start)
 
 

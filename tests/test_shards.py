@@ -242,6 +242,7 @@ def test_attrs_round_trip(tmp_path: Path):
         "hidden_dtype": "float32",
         "hidden_encoding": "native",
         "hidden_size": H,
+        "compression": "none",
         "num_samples": 1,
         "num_tokens": 5,
     }
@@ -255,7 +256,9 @@ def test_attrs_round_trip(tmp_path: Path):
         assert f.attrs["dataset"] == '{"limit": null, "name": "ultrachat", "split": "train"}'
 
 
-@pytest.mark.parametrize("key", ["format", "hidden_dtype", "num_samples", "json_attrs"])
+@pytest.mark.parametrize(
+    "key", ["format", "hidden_dtype", "num_samples", "json_attrs", "compression"]
+)
 def test_reserved_attrs_are_refused(tmp_path: Path, key: str):
     with pytest.raises(ValueError, match="written by the shard module"):
         ShardWriter(tmp_path / "s.h5", hidden_size=H, hidden_dtype="float32", attrs={key: 1})
@@ -600,3 +603,146 @@ def test_bytes_per_token_matches_the_file(tmp_path: Path):
     estimate = bytes_per_token(hidden, "bfloat16") * t
     actual = (tmp_path / "s.h5").stat().st_size
     assert estimate <= actual < estimate + 4 * (1 << 20)
+
+
+# --------------------------------------------------------------------------- streaming (declared)
+
+
+def write_declared(path: Path, samples: list[dict], order: list[int], **kw) -> Path:
+    with ShardWriter(
+        path, hidden_size=H, hidden_dtype=kw.pop("hidden_dtype", "bfloat16"), attrs=ATTRS, **kw
+    ) as w:
+        w.declare_samples(
+            [s["sample_id"] for s in samples],
+            [s["input_ids"] for s in samples],
+            [s["loss_mask"] for s in samples],
+        )
+        for i in order:
+            w.write_states(i, samples[i]["aux_hidden_states"], samples[i]["last_hidden_states"])
+    return path
+
+
+def shard_contents(path: Path) -> dict:
+    with h5py.File(path, "r") as f:
+        out = {
+            n: f[n][()]
+            for n in (
+                "input_ids",
+                "loss_mask",
+                "aux_hidden_states",
+                "last_hidden_states",
+                "sample_offsets",
+            )
+        }
+        out["sample_ids"] = f["sample_ids"].asstr()[()].tolist()
+        out["attrs"] = dict(f.attrs)
+    return out
+
+
+@pytest.mark.parametrize("compression", [None, "none", "lzf", "gzip"])
+@pytest.mark.parametrize("hidden_dtype", ["bfloat16", "float32"])
+def test_declared_out_of_order_writes_equal_appending(tmp_path: Path, compression, hidden_dtype):
+    samples = make_samples(5)
+    appended = write_shard(tmp_path / "a.h5", samples, hidden_dtype)
+    declared = write_declared(
+        tmp_path / "d.h5",
+        samples,
+        [3, 0, 4, 2, 1],
+        compression=compression,
+        hidden_dtype=hidden_dtype,
+    )
+    a, d = shard_contents(appended), shard_contents(declared)
+    for name in (
+        "input_ids",
+        "loss_mask",
+        "aux_hidden_states",
+        "last_hidden_states",
+        "sample_offsets",
+        "sample_ids",
+    ):
+        np.testing.assert_array_equal(a[name], d[name], err_msg=name)
+        assert np.asarray(a[name]).dtype == np.asarray(d[name]).dtype
+    assert d["attrs"]["compression"] == (compression or "none")
+    assert a["attrs"]["compression"] == "none"
+    assert {k: v for k, v in a["attrs"].items() if k != "compression"} == {
+        k: v for k, v in d["attrs"].items() if k != "compression"
+    }
+    check = validate_shard(declared, expected_ids=[s["sample_id"] for s in samples], hidden_size=H)
+    assert check.ok, check.errors
+    with open_shard(declared) as shard:  # readers need not know about compression
+        got = shard.sample(3)["last_hidden_states"]
+        want = samples[3]["last_hidden_states"].to(TORCH_DTYPES[hidden_dtype]).float().numpy()
+        np.testing.assert_array_equal(got, want)
+
+
+def test_declared_shard_misses_a_sample_leaves_nothing(tmp_path: Path):
+    samples = make_samples(3)
+    with pytest.raises(
+        ShardFormatError, match=r"1 declared sample\(s\) were never written \('conv-1'\)"
+    ):
+        write_declared(tmp_path / "s.h5", samples, [0, 2])
+    assert leftovers(tmp_path) == []
+
+
+def test_declared_mode_refuses_misuse(tmp_path: Path):
+    samples = make_samples(2)
+    ids = [s["sample_id"] for s in samples]
+    toks = [s["input_ids"] for s in samples]
+    masks = [s["loss_mask"] for s in samples]
+    s0 = samples[0]
+    with ShardWriter(tmp_path / "s.h5", hidden_size=H, hidden_dtype="float32", attrs={}) as w:
+        with pytest.raises(RuntimeError, match="needs declare_samples"):
+            w.write_states(0, s0["aux_hidden_states"], s0["last_hidden_states"])
+        with pytest.raises(ValueError, match="2 sample ids, 1 input_ids"):
+            w.declare_samples(ids, toks[:1], masks)
+        w.declare_samples(ids, toks, masks)
+        with pytest.raises(RuntimeError, match="called once"):
+            w.declare_samples(ids, toks, masks)
+        with pytest.raises(RuntimeError, match="cannot follow declare_samples"):
+            w.add(**s0)
+        with pytest.raises(IndexError, match="out of range"):
+            w.write_states(2, s0["aux_hidden_states"], s0["last_hidden_states"])
+        with pytest.raises(ShardFormatError, match="shape"):  # sample 1 is longer
+            w.write_states(1, s0["aux_hidden_states"], s0["last_hidden_states"])
+        w.write_states(0, s0["aux_hidden_states"], s0["last_hidden_states"])
+        with pytest.raises(ShardFormatError, match="written twice"):
+            w.write_states(0, s0["aux_hidden_states"], s0["last_hidden_states"])
+        w.write_states(1, samples[1]["aux_hidden_states"], samples[1]["last_hidden_states"])
+    assert validate_shard(tmp_path / "s.h5", expected_ids=ids).ok
+
+
+def test_declared_samples_are_checked_like_added_ones(tmp_path: Path):
+    samples = make_samples(2)
+    with ShardWriter(tmp_path / "s.h5", hidden_size=H, hidden_dtype="float32", attrs={}) as w:
+        with pytest.raises(ShardFormatError, match="duplicate sample id"):
+            w.declare_samples(
+                ["a", "a"], [s["input_ids"] for s in samples], [s["loss_mask"] for s in samples]
+            )
+        w.declare_samples([], [], [])  # an empty shard is still a valid one
+    check = validate_shard(tmp_path / "s.h5", expected_ids=[])
+    assert check.ok, check.errors
+
+
+def test_declared_uncompressed_shard_is_contiguous_and_near_ideal_size(tmp_path: Path):
+    hidden, t, n = 512, 4096, 16
+    gen = torch.Generator().manual_seed(0)
+    lengths = [t // n] * n
+    with ShardWriter(tmp_path / "s.h5", hidden_size=hidden, hidden_dtype="bfloat16", attrs={}) as w:
+        w.declare_samples(
+            [f"s{i}" for i in range(n)],
+            [torch.arange(k) for k in lengths],
+            [torch.ones(k, dtype=torch.bool) for k in lengths],
+        )
+        for i in reversed(range(n)):
+            w.write_states(
+                i,
+                torch.randn(lengths[i], 3 * hidden, generator=gen),
+                torch.randn(lengths[i], hidden, generator=gen),
+            )
+    with h5py.File(tmp_path / "s.h5", "r") as f:
+        assert f["aux_hidden_states"].chunks is None
+        assert f["aux_hidden_states"].compression is None
+    ideal = bytes_per_token(hidden, "bfloat16") * t
+    actual = (tmp_path / "s.h5").stat().st_size
+    # Only HDF5 metadata on top: no partly filled chunks, no fill pass.
+    assert ideal <= actual < ideal + 64 * 1024

@@ -18,8 +18,8 @@ dataset                shape       dtype
 =====================  ==========  ==============================================
 
 Root attributes: ``format`` = ``"eagle3-hidden-states"``, ``format_version`` = 1,
-``hidden_dtype``, ``hidden_encoding``, ``hidden_size``, ``num_samples``,
-``num_tokens``, plus the caller's provenance (model, tokenizer hash, aux layer ids
+``hidden_dtype``, ``hidden_encoding``, ``hidden_size``, ``compression``,
+``num_samples``, ``num_tokens``, plus the caller's provenance (model, tokenizer hash, aux layer ids
 in both conventions, ...). Lists are stored as arrays; dicts as JSON strings,
 whose keys are listed in the ``json_attrs`` attribute.
 
@@ -33,6 +33,12 @@ Hidden-state encoding (``hidden_encoding``):
       x = (u16.astype(np.uint32) << 16).view(np.float32)  # numpy, exact
       t = torch.from_numpy(u16.view(np.int16)).view(torch.bfloat16)  # torch, bit-exact
 
+Compression (``compression`` = ``"none"``, ``"lzf"`` or ``"gzip"``; shards written
+before this attribute existed are uncompressed) uses only filters built into
+h5py, with byte shuffling, so every reader decodes it transparently. Uncompressed
+shards written by streaming extraction store hidden states contiguously (no chunk
+index); appended ones in ~1 MiB chunks. Readers need not care which.
+
 Shards are written to a hidden temp file next to the target and renamed into
 place only when complete, so a file at the final path is always a whole shard.
 """
@@ -44,6 +50,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +103,7 @@ _RESERVED_ATTRS = frozenset(
         "hidden_dtype",
         "hidden_encoding",
         "hidden_size",
+        "compression",
         "num_samples",
         "num_tokens",
         _JSON_ATTRS,
@@ -113,6 +121,8 @@ _DATASETS = (
 _COMPRESSIONS = (None, "gzip", "lzf")
 # ~1 MiB chunks: large enough for streaming throughput, small enough for HDF5's default chunk cache.
 _CHUNK_BYTES = 1 << 20
+# Start writing a shard back to disk every this many bytes (see _FlushBehind).
+_FLUSH_BEHIND_BYTES = 64 << 20
 # Rows per read when scanning hidden states, to keep validation memory bounded.
 _SCAN_BYTES = 64 << 20
 # Cap per-sample messages so one broken shard doesn't produce a million-line report.
@@ -128,12 +138,23 @@ class ShardFormatError(ValueError):
 
 
 class ShardWriter:
-    """Streams samples into one shard; the file appears at ``path`` only on a clean exit.
+    """Writes one shard; the file appears at ``path`` only on a clean exit.
 
-    Usage::
+    Two ways to fill it. Appending, in shard order::
 
         with ShardWriter(path, hidden_size=H, hidden_dtype="bfloat16", attrs=attrs) as w:
             w.add(sample_id, input_ids, loss_mask, aux, last)
+
+    Or streaming, when all samples and their lengths are known up front (the
+    extraction job): declare them, then write each sample's hidden states in any
+    order, e.g. as length-sorted batches finish. Rows go straight to their
+    final offsets, so memory never holds more than the caller's batch::
+
+        with ShardWriter(path, hidden_size=H, hidden_dtype="bfloat16", attrs=attrs) as w:
+            w.declare_samples(sample_ids, input_ids, loss_masks)
+            w.write_states(i, aux, last)  # once per sample, any order
+
+    Both produce the same format; a reader cannot tell them apart.
     """
 
     def __init__(
@@ -147,9 +168,10 @@ class ShardWriter:
     ) -> None:
         hidden_size = positive_int(hidden_size, "hidden_size")
         _check_hidden_dtype(hidden_dtype)
+        compression = None if compression == "none" else compression
         if compression not in _COMPRESSIONS:
             raise ValueError(
-                f"compression must be one of {list(_COMPRESSIONS)}, got {compression!r}"
+                f"compression must be one of {['none', *_COMPRESSIONS[1:]]}, got {compression!r}"
             )
         reserved = sorted(_RESERVED_ATTRS.intersection(attrs))
         if reserved:
@@ -164,9 +186,13 @@ class ShardWriter:
         self._file: h5py.File | None = None
         self._stack: ExitStack | None = None
         self._used = False
+        self._mode: Literal["append", "declared"] | None = None
         self._offsets: list[int] = [0]
         self._ids: list[str] = []
         self._seen: set[str] = set()
+        self._written: np.ndarray = np.zeros(0, dtype=bool)  # declared mode: states written
+        self._hidden_datasets: tuple[h5py.Dataset, h5py.Dataset] | None = None
+        self._flush: _FlushBehind
 
     @property
     def num_samples(self) -> int:
@@ -184,7 +210,10 @@ class ShardWriter:
             # atomic_path: hidden '.<name>.*.tmp' file, fsync, rename, directory fsync.
             tmp = stack.enter_context(atomic_path(self.path))
             f = stack.enter_context(h5py.File(tmp, "w"))
-            self._create_layout(f)
+            # Registered after the file, so it stops (and the fd stays open) before the close.
+            self._flush = _FlushBehind(f.id.get_vfd_handle(), _FLUSH_BEHIND_BYTES)
+            stack.callback(self._flush.close)
+            self._write_header(f)
             self._stack = stack.pop_all()
         self._file = f
         return self
@@ -197,6 +226,7 @@ class ShardWriter:
     ) -> None:
         f, stack = self._file, self._stack
         self._file = self._stack = None
+        self._hidden_datasets = None
         assert f is not None and stack is not None
         if exc_type is not None:
             # Closes the HDF5 file, then atomic_path deletes the temp file; `path` is untouched.
@@ -215,17 +245,118 @@ class ShardWriter:
         last_hidden_states: np.ndarray | torch.Tensor,
     ) -> None:
         """Append one conversation; hidden states are cast to ``hidden_dtype`` (nearest even)."""
-        f = self._file
-        if f is None:
-            raise RuntimeError("ShardWriter.add() must be called inside its `with` block")
+        f = self._open_file("add")
+        if self._mode == "declared":
+            raise RuntimeError("add() cannot follow declare_samples(); use write_states()")
+        if self._mode is None:
+            self._mode = "append"
+            self._create_append_layout(f)
+        ids, mask = self._checked_tokens(sample_id, input_ids, loss_mask)
+        aux, last = self._checked_states(sample_id, len(ids), aux_hidden_states, last_hidden_states)
+        start, stop = self._offsets[-1], self._offsets[-1] + len(ids)
+        for name, data in (
+            ("input_ids", ids),
+            ("loss_mask", mask),
+            ("aux_hidden_states", aux),
+            ("last_hidden_states", last),
+        ):
+            ds = f[name]
+            ds.resize(stop, axis=0)
+            ds[start:stop] = data
+        self._flush.wrote(aux.nbytes + last.nbytes)
+        self._offsets.append(stop)
+        self._ids.append(sample_id)
+        self._seen.add(sample_id)
+
+    def declare_samples(
+        self,
+        sample_ids: Sequence[str],
+        input_ids: Sequence[Sequence[int] | np.ndarray | torch.Tensor],
+        loss_masks: Sequence[Sequence[int] | np.ndarray | torch.Tensor],
+    ) -> None:
+        """Fix the shard's samples, in shard order, before any hidden state is written.
+
+        Writes token ids, loss masks and offsets now and allocates the hidden-state
+        rows; :meth:`write_states` then fills each sample's rows. The shard is only
+        published if every declared sample got its states.
+        """
+        f = self._open_file("declare_samples")
+        if self._mode is not None:
+            raise RuntimeError("declare_samples() can be called once, before any add()")
+        if not len(sample_ids) == len(input_ids) == len(loss_masks):
+            raise ValueError(
+                f"{len(sample_ids)} sample ids, {len(input_ids)} input_ids and "
+                f"{len(loss_masks)} loss masks: expected one of each per sample"
+            )
+        tokens, masks = [], []
+        try:
+            for sid, ids, mask in zip(sample_ids, input_ids, loss_masks, strict=True):
+                ids_arr, mask_arr = self._checked_tokens(sid, ids, mask)
+                tokens.append(ids_arr)
+                masks.append(mask_arr)
+                self._seen.add(sid)
+        except ShardFormatError:
+            self._seen.clear()  # nothing was declared; the caller may fix and retry
+            raise
+        self._mode = "declared"
+        self._ids = list(sample_ids)
+        self._offsets = [0, *np.cumsum([len(t) for t in tokens]).tolist()]
+        self._written = np.zeros(len(self._ids), dtype=bool)
+        if not self._ids:
+            self._create_append_layout(f)  # an empty shard looks the same either way
+            return
+        h, storage, total = self.hidden_size, _STORAGE_DTYPES[self.hidden_dtype], self.num_tokens
+        self._create_fixed(f, "input_ids", np.concatenate(tokens))
+        self._create_fixed(f, "loss_mask", np.concatenate(masks))
+        self._create_fixed(f, "aux_hidden_states", (total, 3 * h), storage)
+        self._create_fixed(f, "last_hidden_states", (total, h), storage)
+        # Looked up once: a lookup by name costs about as much as writing a short sample.
+        self._hidden_datasets = (f["aux_hidden_states"], f["last_hidden_states"])
+
+    def write_states(
+        self,
+        index: int,
+        aux_hidden_states: np.ndarray | torch.Tensor,
+        last_hidden_states: np.ndarray | torch.Tensor,
+    ) -> None:
+        """Store the hidden states of declared sample ``index`` (shard order) at its rows."""
+        self._open_file("write_states")
+        if self._mode != "declared":
+            raise RuntimeError("write_states() needs declare_samples() first")
+        if not 0 <= index < len(self._ids):
+            raise IndexError(f"sample index {index} out of range for {len(self._ids)} samples")
+        sample_id = self._ids[index]
+        if self._written[index]:
+            raise ShardFormatError(f"sample {sample_id!r}: hidden states written twice")
+        start, stop = self._offsets[index], self._offsets[index + 1]
+        aux, last = self._checked_states(
+            sample_id, stop - start, aux_hidden_states, last_hidden_states
+        )
+        assert self._hidden_datasets is not None
+        aux_ds, last_ds = self._hidden_datasets
+        aux_ds[start:stop] = aux
+        last_ds[start:stop] = last
+        self._flush.wrote(aux.nbytes + last.nbytes)
+        self._written[index] = True
+
+    def _open_file(self, method: str) -> h5py.File:
+        if self._file is None:
+            raise RuntimeError(f"ShardWriter.{method}() must be called inside its `with` block")
+        return self._file
+
+    def _checked_tokens(
+        self, sample_id: Any, input_ids: Any, loss_mask: Any
+    ) -> tuple[np.ndarray, np.ndarray]:
         if not isinstance(sample_id, str) or not sample_id:
             raise ShardFormatError(f"sample id must be a non-empty string, got {sample_id!r}")
         if sample_id in self._seen:
             raise ShardFormatError(f"sample {sample_id!r}: duplicate sample id in this shard")
-
         ids = _token_ids(input_ids, sample_id)
-        num_tokens = ids.shape[0]
-        mask = _loss_mask(loss_mask, sample_id, num_tokens)
+        return ids, _loss_mask(loss_mask, sample_id, ids.shape[0])
+
+    def _checked_states(
+        self, sample_id: str, num_tokens: int, aux_hidden_states: Any, last_hidden_states: Any
+    ) -> tuple[np.ndarray, np.ndarray]:
         h = self.hidden_size
         # Check shapes before casting: the cast may be a large device-to-host copy.
         _check_shape(aux_hidden_states, (num_tokens, 3 * h), "aux_hidden_states", sample_id, "3H")
@@ -240,29 +371,19 @@ class ShardWriter:
                     f"sample {sample_id!r}: {name} has non-finite values in "
                     f"{int(bad.sum())} of {num_tokens} rows (as {self.hidden_dtype})"
                 )
+        return aux, last
 
-        start, stop = self._offsets[-1], self._offsets[-1] + num_tokens
-        for name, data in (
-            ("input_ids", ids),
-            ("loss_mask", mask),
-            ("aux_hidden_states", aux),
-            ("last_hidden_states", last),
-        ):
-            ds = f[name]
-            ds.resize(stop, axis=0)
-            ds[start:stop] = data
-        self._offsets.append(stop)
-        self._ids.append(sample_id)
-        self._seen.add(sample_id)
-
-    def _create_layout(self, f: h5py.File) -> None:
+    def _write_header(self, f: h5py.File) -> None:
         f.attrs["format"] = FORMAT_NAME
         f.attrs["format_version"] = FORMAT_VERSION
         f.attrs["hidden_dtype"] = self.hidden_dtype
         f.attrs["hidden_encoding"] = _ENCODINGS[self.hidden_dtype]
         f.attrs["hidden_size"] = self.hidden_size
+        f.attrs["compression"] = self.compression or "none"
         for key, value in self._attrs.items():
             f.attrs[key] = value
+
+    def _create_append_layout(self, f: h5py.File) -> None:
         storage = _STORAGE_DTYPES[self.hidden_dtype]
         h = self.hidden_size
         self._create_rows(f, "input_ids", np.dtype(np.int32), ())
@@ -271,19 +392,54 @@ class ShardWriter:
         self._create_rows(f, "last_hidden_states", storage, (h,))
 
     def _create_rows(self, f: h5py.File, name: str, dtype: np.dtype, row: tuple[int, ...]) -> None:
-        row_bytes = dtype.itemsize * int(np.prod(row, dtype=np.int64))
-        chunk_rows = max(1, _CHUNK_BYTES // row_bytes)
         f.create_dataset(
             name,
             shape=(0, *row),
             maxshape=(None, *row),
-            chunks=(chunk_rows, *row),
+            chunks=_chunk_shape(dtype, row),
             dtype=dtype,
             compression=self.compression,
             shuffle=self.compression is not None,
         )
 
+    def _create_fixed(
+        self,
+        f: h5py.File,
+        name: str,
+        data_or_shape: np.ndarray | tuple[int, ...],
+        dtype: np.dtype | None = None,
+    ) -> None:
+        """A dataset of its final size. Uncompressed ones are contiguous: rows written at
+        any offset go straight to their place in the file, with no chunk index."""
+        data = data_or_shape if isinstance(data_or_shape, np.ndarray) else None
+        shape = data.shape if data is not None else tuple(data_or_shape)
+        dtype = data.dtype if data is not None else dtype
+        assert dtype is not None
+        if self.compression is None:
+            # No fill pass: every row is written exactly once (checked at the end).
+            f.create_dataset(name, shape=shape, dtype=dtype, data=data, fill_time="never")
+            return
+        f.create_dataset(
+            name,
+            shape=shape,
+            dtype=dtype,
+            data=data,
+            # HDF5 wants fixed-size chunks no longer than the dataset.
+            chunks=(min(shape[0], _chunk_shape(dtype, shape[1:])[0]), *shape[1:]),
+            compression=self.compression,
+            shuffle=True,
+        )
+
     def _write_index(self, f: h5py.File) -> None:
+        if self._mode is None:  # an empty shard
+            self._create_append_layout(f)
+        missing = np.flatnonzero(~self._written)
+        if self._mode == "declared" and missing.size:
+            names = ", ".join(repr(self._ids[i]) for i in missing[:5])
+            raise ShardFormatError(
+                f"{self.path}: hidden states of {missing.size} declared sample(s) were never "
+                f"written ({names}{', ...' if missing.size > 5 else ''})"
+            )
         # Written last: these are small, and their presence marks the shard as finished.
         f.create_dataset("sample_offsets", data=np.asarray(self._offsets, dtype=np.int64))
         f.create_dataset(
@@ -293,6 +449,51 @@ class ShardWriter:
         )
         f.attrs["num_samples"] = len(self._ids)
         f.attrs["num_tokens"] = self._offsets[-1]
+
+
+class _FlushBehind:
+    """Hands written bytes to the disk in the background while more are being written.
+
+    Otherwise the kernel keeps the whole shard dirty in RAM (GBs) and the final fsync
+    writes all of it while the job waits; this way the disk works while the job
+    computes, and the final fsync only has the tail left.
+    """
+
+    def __init__(self, fd: Any, every_bytes: int) -> None:
+        self._fd = fd if isinstance(fd, int) else None  # only for the default (POSIX) driver
+        self._every = every_bytes
+        self._unflushed = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._future: Future[None] | None = None
+
+    def wrote(self, nbytes: int) -> None:
+        self._unflushed += nbytes
+        if self._fd is None or self._unflushed < self._every:
+            return
+        if self._future is not None:
+            if not self._future.done():
+                return  # the disk is still busy with the previous flush
+            self._future.result()  # an I/O error fails the shard here
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-flush")
+        self._unflushed = 0
+        self._future = self._pool.submit(_datasync, self._fd)
+
+    def close(self) -> None:
+        """Wait for the flush in flight (the file must outlive it); raise its error."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self._future is not None:
+            self._future.result()
+
+
+def _datasync(fd: int) -> None:
+    getattr(os, "fdatasync", os.fsync)(fd)  # macOS has no fdatasync
+
+
+def _chunk_shape(dtype: np.dtype, row: tuple[int, ...]) -> tuple[int, ...]:
+    row_bytes = dtype.itemsize * int(np.prod(row, dtype=np.int64))
+    return (max(1, _CHUNK_BYTES // row_bytes), *row)
 
 
 def bytes_per_token(hidden_size: int, hidden_dtype: str) -> int:

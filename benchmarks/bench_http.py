@@ -5,8 +5,8 @@ started as a separate process that simulates an engine with fixed capacity:
 S concurrent slots generating R tokens/s each, requests beyond S queue (FIFO),
 a closed connection frees its slot (as SGLang aborts such a request).
 
-    .venv/bin/python bench/bench_http.py                 # prints a markdown table
-    .venv/bin/python bench/bench_http.py --concurrency 64 512 --slots 64 --tokens-per-s 200
+    .venv/bin/python benchmarks/bench_http.py                 # prints a markdown table
+    .venv/bin/python benchmarks/bench_http.py --concurrency 64 512 --slots 64 --tokens-per-s 200
 
 Reported per client concurrency, all measured in the same run:
 - capacity ratio: completion tokens the server delivered per second of the run,

@@ -1,3 +1,6 @@
+from eagle3data.gpu_slots import job_gpus
+
+
 rule generate:
     input:
         prompts="results/prompts/{dataset}.parquet",
@@ -12,6 +15,9 @@ rule generate:
     conda:
         "../envs/torch.yaml"
     threads: workflow.cores
+    resources:
+        # GPUs this job takes (0 on CPU and for the openai backend); see gpu_slots.
+        gpu=job_gpus(config, "generation"),
     params:
         settings=generation_params,
         token_budget=dataset_token_budget,

@@ -1,3 +1,6 @@
+from eagle3data.gpu_slots import job_gpus
+
+
 checkpoint plan_shards:
     input:
         unpack(plan_shards_input),
@@ -26,6 +29,9 @@ rule hidden_states:
     conda:
         "../envs/torch.yaml"
     threads: workflow.cores
+    resources:
+        # GPUs this job takes (0 on CPU); the job picks which by lock (gpu_slots).
+        gpu=job_gpus(config, "hidden_states"),
     params:
         settings=hidden_state_params,
     script:

@@ -5,7 +5,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
 
-from eagle3data.steps import generate, run_step
+from eagle3data.gpu_slots import acquire_for_snakemake_job
+from eagle3data.steps import generate, run_step, setup_logging  # no torch import yet
+
+setup_logging(snakemake.log[0])
+# Before anything imports torch: CUDA reads CUDA_VISIBLE_DEVICES once.
+gpu_lease = acquire_for_snakemake_job(snakemake)
 
 run_step(
     snakemake.log[0],

@@ -1,0 +1,31 @@
+"""Runs tests/gpu/check_sglang.py where it can run: a CUDA GPU and sglang installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CHECK = Path(__file__).with_name("check_sglang.py")
+
+
+def _has_cuda_and_sglang() -> bool:
+    if shutil.which("nvidia-smi") is None or importlib.util.find_spec("sglang") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _has_cuda_and_sglang(), reason="needs a CUDA GPU and sglang")
+def test_sglang_capture_matches_transformers_on_gpu() -> None:
+    result = subprocess.run(
+        [sys.executable, str(CHECK)], capture_output=True, text=True, timeout=1800
+    )
+    print(result.stdout, result.stderr[-5000:])
+    assert result.returncode == 0, result.stdout
+    assert "PASS" in result.stdout

@@ -1,0 +1,207 @@
+"""A PyTorch ``Dataset`` over hidden-state shards, one item per conversation.
+
+::
+
+    from torch.utils.data import DataLoader
+    from eagle3data.loader import HiddenStateDataset, pad_collate
+
+    ds = HiddenStateDataset(["results/hidden_states/A1", "results/hidden_states/B2"])
+    loader = DataLoader(ds, batch_size=8, shuffle=True, num_workers=4, collate_fn=pad_collate)
+
+Each item is a dict: ``id`` and ``dataset`` (str), ``input_ids`` [L] long, ``loss_mask``
+[L] long (0/1), ``aux_hidden_states`` [L, 3H] and ``last_hidden_states`` [L, H] in the
+stored dtype (bf16 shards give ``torch.bfloat16``, bit-exact).
+
+Shards are opened lazily, in the process that reads them: building the dataset opens
+no file when a ``manifest.json`` lists the shards, and a handle opened before a
+``DataLoader`` forks its workers is never used by a worker (HDF5 handles do not
+survive ``fork``). Only the rows of the requested conversation are read.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from .shards import Shard, ShardFormatError, open_shard
+
+__all__ = ["HiddenStateDataset", "ShardFile", "find_shards", "pad_collate"]
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+SHARD_GLOB = "shard-*.h5"
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One shard of a dataset directory and how many conversations it holds."""
+
+    path: Path
+    dataset: str
+    num_samples: int
+
+
+def find_shards(directory: str | os.PathLike[str]) -> list[ShardFile]:
+    """The shards of one ``results/hidden_states/{dataset}`` directory, in order.
+
+    ``manifest.json`` (written once every shard passed validation) is the source of
+    truth when present; otherwise the ``shard-*.h5`` files are listed and opened once
+    to count their conversations (and a warning says they are not validated).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no such directory of hidden-state shards")
+    manifest_path = directory / MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        dataset = str(manifest.get("dataset", directory.name))
+        return [
+            ShardFile(directory / entry["file"], dataset, int(entry["samples"]))
+            for entry in manifest["shards"]
+        ]
+    paths = sorted(directory.glob(SHARD_GLOB))
+    if not paths:
+        raise FileNotFoundError(
+            f"{directory}: no {MANIFEST} and no {SHARD_GLOB} files; build them first, "
+            f"e.g. `snakemake {directory / MANIFEST}`"
+        )
+    log.warning("%s: no %s, reading %d unvalidated shard file(s)", directory, MANIFEST, len(paths))
+    shards = []
+    for path in paths:
+        # Opened and closed here, before any worker exists; workers reopen their own.
+        with open_shard(path) as shard:
+            dataset = str(shard.attrs.get("dataset", directory.name))
+            shards.append(ShardFile(path, dataset, shard.num_samples))
+    return shards
+
+
+class HiddenStateDataset(Dataset[dict[str, Any]]):
+    """Conversations of one or more shard directories, read lazily per process."""
+
+    def __init__(
+        self,
+        directories: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        max_open_shards: int = 8,
+    ) -> None:
+        if isinstance(directories, str | os.PathLike):
+            directories = [directories]
+        if not directories:
+            raise ValueError("HiddenStateDataset needs at least one shard directory")
+        if max_open_shards < 1:
+            raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
+        self.shards: list[ShardFile] = [s for d in directories for s in find_shards(d)]
+        # ends[k] = conversations in shards 0..k; item i lives in the first shard with ends > i.
+        self._ends: list[int] = []
+        total = 0
+        for shard in self.shards:
+            total += shard.num_samples
+            self._ends.append(total)
+        self.max_open_shards = max_open_shards
+        self._open: OrderedDict[int, Shard] = OrderedDict()
+        self._owner_pid = os.getpid()
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(shard number, conversation number within that shard) of item ``index``."""
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for {n} conversations")
+        index %= n
+        k = bisect.bisect_right(self._ends, index)
+        start = self._ends[k - 1] if k else 0
+        return k, index - start
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        k, i = self.locate(index)
+        shard = self._shard(k)
+        rows = slice(int(shard.sample_offsets[i]), int(shard.sample_offsets[i + 1]))
+        return {
+            "id": shard.sample_ids[i],
+            "dataset": self.shards[k].dataset,
+            "input_ids": torch.from_numpy(shard.input_ids[rows]).long(),
+            "loss_mask": torch.from_numpy(shard.loss_mask[rows]).long(),
+            "aux_hidden_states": shard.aux_hidden_states(rows, as_torch=True),
+            "last_hidden_states": shard.last_hidden_states(rows, as_torch=True),
+        }
+
+    def close(self) -> None:
+        """Close the shards this process opened (reopened on the next read)."""
+        if os.getpid() == self._owner_pid:
+            for shard in self._open.values():
+                shard.close()
+        self._open.clear()
+
+    def _shard(self, k: int) -> Shard:
+        if os.getpid() != self._owner_pid:
+            # A forked worker inherited the parent's handles: never use them.
+            self._open = OrderedDict()
+            self._owner_pid = os.getpid()
+        shard = self._open.get(k)
+        if shard is not None:
+            self._open.move_to_end(k)
+            return shard
+        info = self.shards[k]
+        shard = open_shard(info.path)
+        if shard.num_samples != info.num_samples:
+            shard.close()
+            raise ShardFormatError(
+                f"{info.path}: holds {shard.num_samples} conversations but its "
+                f"{MANIFEST} lists {info.num_samples}; the directory changed after validation"
+            )
+        self._open[k] = shard
+        if len(self._open) > self.max_open_shards:
+            _, oldest = self._open.popitem(last=False)
+            oldest.close()
+        return shard
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Spawned workers get a pickled copy: send the index, never open files.
+        state = self.__dict__.copy()
+        state["_open"] = OrderedDict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._owner_pid = os.getpid()
+
+
+def pad_collate(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Right-pad a list of items to the longest one; adds ``attention_mask`` (1 = real token).
+
+    Padding is 0 everywhere (ids, masks, hidden states), so padded positions never
+    carry loss.
+    """
+    if not batch:
+        raise ValueError("pad_collate got an empty batch")
+    lengths = [int(item["input_ids"].shape[0]) for item in batch]
+    longest = max(lengths)
+    out: dict[str, Any] = {
+        "id": [item["id"] for item in batch],
+        "dataset": [item["dataset"] for item in batch],
+        "lengths": torch.tensor(lengths, dtype=torch.long),
+    }
+    attention = torch.zeros(len(batch), longest, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        attention[b, :n] = 1
+    out["attention_mask"] = attention
+    for key in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_states"):
+        first = batch[0][key]
+        padded = first.new_zeros((len(batch), longest, *first.shape[1:]))
+        for b, item in enumerate(batch):
+            padded[b, : lengths[b]] = item[key]
+        out[key] = padded
+    return out

@@ -5,12 +5,17 @@
 configfile: "config/config.yaml"
 
 
+report: "report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/model.smk"
 include: "rules/prompts.smk"
 include: "rules/generate.smk"
 include: "rules/tokenize.smk"
 include: "rules/hidden_states.smk"
+include: "rules/consumers.smk"
+include: "rules/report.smk"
 
 
 rule all:

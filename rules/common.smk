@@ -89,8 +89,16 @@ def tokenize_params(wildcards):
     )
 
 
+# Where and on how many GPUs states are computed does not change them: leave those
+# keys out, so adding them (or moving a run to another machine) re-runs nothing.
+HIDDEN_STATE_EXECUTION_KEYS = ("gpus_per_job", "sglang")
+
+
 def hidden_state_params(wildcards):
-    return canonical({"hidden_states": config["hidden_states"], "dtype": config["model"]["dtype"]})
+    hidden = {
+        k: v for k, v in config["hidden_states"].items() if k not in HIDDEN_STATE_EXECUTION_KEYS
+    }
+    return canonical({"hidden_states": hidden, "dtype": config["model"]["dtype"]})
 
 
 def shard_files(wildcards):
@@ -104,7 +112,12 @@ def shard_files(wildcards):
 
 
 def final_targets():
-    return [f"results/hidden_states/{ds}/manifest.json" for ds in DATASETS]
+    targets = [f"results/hidden_states/{ds}/manifest.json" for ds in DATASETS]
+    targets += ["results/vocab/draft_vocab.pt", "results/vocab/draft_vocab.json"]
+    targets += ["results/report/summary.html"]  # and the report's pictures (rules/report.smk)
+    if config["export"]["specforge"]:
+        targets += [f"results/specforge/{ds}" for ds in DATASETS]
+    return targets
 
 
 _PREVIEW_SHOWN = []

@@ -24,6 +24,7 @@ WORKFLOW_SOURCES = (
     "envs",
     "config/schema.yaml",
     "profiles",
+    "report",
     "src",
 )
 

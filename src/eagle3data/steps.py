@@ -55,20 +55,26 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from .chat import ChatTemplateError
     from .engines.openai_engine import EngineUnavailable
     from .generation import GenerationAborted
+    from .gpu_slots import GpuSlotError
     from .journal import JournalCorruptError, JournalLockedError
     from .layers import AuxLayerError
     from .prompts import PromptFormatError
+    from .shards import ShardFormatError
+    from .vocab import DraftVocabError
 
     return (
         AuxLayerError,
         ChatTemplateError,
         DiskSpaceError,
+        DraftVocabError,
         EngineUnavailable,
         GenerationAborted,
         FileNotFoundError,
+        GpuSlotError,
         JournalCorruptError,
         JournalLockedError,
         PromptFormatError,
+        ShardFormatError,
         ValidationError,
     )
 
@@ -471,7 +477,8 @@ def extract_shard(
     out_shard: str,
     threads: int | None = None,
 ) -> None:
-    from .extract import HiddenStateExtractor, length_batches
+    from .extract import extract_into_shard
+    from .extractors import build_extractor
     from .shards import ShardWriter
     from .torch_utils import dtype_name, set_threads
 
@@ -480,30 +487,11 @@ def extract_shard(
     df = pl.read_parquet(tokenized_path).slice(entry["start"], entry["end"] - entry["start"])
     tok_stats = json.loads(Path(tokenize_stats_path).read_text())
     set_threads(threads)
-    extractor = HiddenStateExtractor(
-        model_path,
-        aux_layers=hidden_cfg["aux_layers"],
-        convention=hidden_cfg["aux_layer_convention"],
-        dtype=hidden_state_dtype(hidden_cfg, model_dtype),
-        device=hidden_cfg["device"],
-    )
+    extractor = build_extractor(model_path, hidden_cfg, model_dtype)
     dtype = dtype_name(extractor.dtype)
     ids = df["id"].to_list()
     input_ids = df["input_ids"].to_list()
     masks = df["loss_mask"].to_list()
-    states: list[Any] = [None] * len(ids)
-    batches = length_batches([len(x) for x in input_ids], hidden_cfg["batch_tokens"])
-    for n, batch in enumerate(batches, start=1):
-        for i, out in zip(batch, extractor.forward([input_ids[i] for i in batch]), strict=True):
-            states[i] = out
-        log.info(
-            "%s shard %d: batch %d/%d (%d conversations)",
-            dataset,
-            shard,
-            n,
-            len(batches),
-            len(batch),
-        )
     attrs = {
         "dataset": dataset,
         "shard": shard,
@@ -516,12 +504,29 @@ def extract_shard(
         "compute_dtype": dtype,
         **extractor.aux.as_attrs(),
     }
+
+    def progress(n: int, of: int, conversations: int) -> None:
+        log.info(
+            "%s shard %d: batch %d/%d (%d conversations)", dataset, shard, n, of, conversations
+        )
+
+    # Streams: each batch's rows are written at their offsets as the batch finishes.
     with ShardWriter(
-        out_shard, hidden_size=extractor.hidden_size, hidden_dtype=dtype, attrs=attrs
+        out_shard,
+        hidden_size=extractor.hidden_size,
+        hidden_dtype=dtype,
+        attrs=attrs,
+        compression=hidden_cfg.get("compression", "none"),
     ) as writer:
-        for i, sid in enumerate(ids):
-            aux, last = states[i]
-            writer.add(sid, input_ids[i], masks[i], aux, last)
+        extract_into_shard(
+            extractor,
+            writer,
+            ids,
+            input_ids,
+            masks,
+            batch_tokens=hidden_cfg["batch_tokens"],
+            on_batch=progress,
+        )
     log.info("%s shard %d: wrote %d conversations to %s", dataset, shard, len(ids), out_shard)
 
 

@@ -56,6 +56,7 @@ def dataset_config(wildcards):
 
 
 def dataset_source(wildcards):
+    show_preview_on_dry_run()  # every target needs its prompts: the preview shows for all
     return dataset_config(wildcards)["path"]
 
 

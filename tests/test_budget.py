@@ -441,3 +441,28 @@ def test_property_dispatch_loop_converges_to_the_final_selection():
             assert rounds <= len(order) + 1
         assert sel.selected == final.selected
         assert sel.failed == final.failed
+
+
+def test_array_selection_equals_the_reference_selection():
+    import numpy as np
+
+    from eagle3data.budget import select_prefix_arrays
+
+    rng = random.Random(20261130)
+    for _ in range(5000):
+        tokens, token_budget, max_samples = _random_case(rng)
+        order = ids(len(tokens))
+        outcomes = outcomes_of(tokens)
+        # Leave some prompts unknown (not generated yet) to cover undecided prefixes.
+        unknown = {pid for pid in order if rng.random() < 0.1}
+        known_outcomes = {k: v for k, v in outcomes.items() if k not in unknown}
+        want = select_prefix(
+            order, known_outcomes, token_budget=token_budget, max_samples=max_samples
+        )
+        known = np.array([pid in known_outcomes for pid in order], dtype=bool)
+        failed = np.array([t is None for t in tokens], dtype=bool) & known
+        completion = np.array([t or 0 for t in tokens], dtype=np.int64)
+        got = select_prefix_arrays(
+            known, failed, completion, token_budget=token_budget, max_samples=max_samples
+        )
+        assert got == want, (tokens, sorted(unknown), token_budget, max_samples)

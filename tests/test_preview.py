@@ -55,4 +55,8 @@ def test_a_disk_too_small_is_called_out(tmp_path, model_dir, monkeypatch) -> Non
 def test_a_model_not_converted_yet_gives_no_bytes(tmp_path) -> None:
     config = _config(tmp_path / "not-yet", A1={"token_budget": 100})
     lines = preview.preview_lines(config, tmp_path / "results")
-    assert lines[1:] == ["  A1: unknown until the model directory exists"]
+    assert lines[1:] == [
+        "  A1: nothing generated yet; up to 100 completion tokens",
+        "Hidden-state estimate (from the files on disk):",
+        "  A1: unknown until the model directory exists",
+    ]

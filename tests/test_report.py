@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import shutil
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 import pytest
-from conftest import REPO, alpaca_prompts, sharegpt_prompts, write_prompts
+from conftest import alpaca_prompts, sharegpt_prompts, write_prompts
 from PIL import Image
 
 from eagle3data.progress import SUMMARY_SCHEMA
@@ -270,7 +269,6 @@ def test_snakemake_report_packages_the_pictures(make_workflow, tmp_path: Path) -
             "B2": {"path": str(b2), "format": "alpaca", "max_samples": 4},
         }
     )
-    shutil.copytree(REPO / "report", wf.path("report"))  # the captions
     wf.run()  # the default target builds the pictures
     for name in FIGURES:
         assert wf.path(f"results/report/{name}.png").stat().st_size > 0

@@ -12,6 +12,7 @@ import pytest
 from conftest import alpaca_prompts, kill_group, sharegpt_prompts, write_prompts
 
 from eagle3data.atomic import dumps_line
+from eagle3data.preview import human_bytes
 from eagle3data.progress import journal_summary
 from eagle3data.status import main
 
@@ -99,6 +100,19 @@ def test_status_mid_generation_and_after_the_run(make_workflow, tmp_path, capsys
     assert a["estimate_basis"] == "extrapolated" and a["bytes_estimated"] > 0
     assert (a["shards_done"], a["shards_planned"], a["bytes_on_disk"]) == (0, None, 0)
     assert status["B2"]["stage"] == "prompts" and status["B2"]["prompts"] is None
+
+    # The dry run says the same, in tokens still to generate and bytes to extract.
+    dry = wf.run("-n", "results/responses/A1.jsonl")
+    out = dry.stdout + dry.stderr
+    assert (
+        f"  A1: {tokens} completion tokens in {len(prefix)} conversations; "
+        f"about {400 - tokens} completion tokens (~"
+    ) in out
+    more = a["conversations_planned"] - len(prefix)
+    assert f"(~{more} conversations) to go (limits: 400 completion tokens)" in out
+    hidden = f"  A1: {a['conversations_planned']} conversations, about "
+    assert hidden in out and f"B = about {human_bytes(a['bytes_estimated'])} (extrapolated)" in out
+    assert "  B2: nothing generated yet; up to 4 conversations" in out
 
     assert main(["-d", str(wf.root)]) == 0
     table = capsys.readouterr().out.splitlines()

@@ -339,6 +339,10 @@ def test_a_zero_budget_gives_empty_but_complete_outputs(make_workflow, tmp_path)
     assert wf.plans_nothing()
 
 
+def _hidden_state_line(out: str, dataset: str) -> str:
+    return next(x for x in out.splitlines() if x.startswith(f"  {dataset}: ") and " x " in x)
+
+
 def _dry_run_output(wf: Workflow) -> str:
     proc = wf.run("-n")
     return proc.stdout + proc.stderr
@@ -349,8 +353,10 @@ def test_dry_run_prints_the_hidden_state_estimate(generated: Workflow) -> None:
     per_token = (3 * 64 + 64) * 2 + 5  # tiny model: H=64, bfloat16, int32 id + uint8 mask
     out = _dry_run_output(wf)
     n = len(wf.responses("A1"))
-    line = next(x for x in out.splitlines() if x.strip().startswith("A1:"))
+    line = _hidden_state_line(out, "A1")
     assert f"A1: {n} conversations, about " in line and f"x {per_token} B" in line, line
+    tokens = wf.stats("A1")["completion_tokens"]
+    assert f"  A1: done: {tokens} completion tokens in {n} conversations (limits: 100 " in out
     assert line.endswith("(decided)")
     estimate = int(line.split("about ")[1].split(" tokens")[0])
     assert "B2: unknown until something is generated (no token_budget)" in out
@@ -363,6 +369,6 @@ def test_dry_run_prints_the_hidden_state_estimate(generated: Workflow) -> None:
 
     wf.config["datasets"]["A1"]["token_budget"] = 400
     wf.write_config()
-    line = next(x for x in _dry_run_output(wf).splitlines() if x.strip().startswith("A1:"))
+    line = _hidden_state_line(_dry_run_output(wf), "A1")
     assert line.endswith("(extrapolated)"), line
     assert int(line.split("about ")[1].split(" tokens")[0]) > 2 * estimate

@@ -18,6 +18,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+import numpy.typing as npt
+
 StopReason = Literal["exhausted", "token_budget", "max_samples"]
 
 
@@ -128,3 +131,46 @@ def plan_dispatch(
             tokens += outcome.completion_tokens
             n_selected += 1
     return batch
+
+
+def select_prefix_arrays(
+    known: npt.NDArray[np.bool_],
+    failed: npt.NDArray[np.bool_],
+    completion_tokens: npt.NDArray[np.int64],
+    *,
+    token_budget: int | None,
+    max_samples: int | None,
+) -> Selection:
+    """:func:`select_prefix` over arrays indexed by position, in O(n) numpy.
+
+    For reports over huge journals (a million prompts in milliseconds instead of
+    seconds); generation keeps the incremental pure-Python version. Equal results
+    are asserted by a randomised test.
+    """
+    ok = known & ~failed
+    tokens = np.where(ok, completion_tokens, 0)
+    # Selected count and tokens *before* each position (exact up to the first stop).
+    count_before = np.concatenate([[0], np.cumsum(ok)])
+    tokens_before = np.concatenate([[0], np.cumsum(tokens)])
+    n = len(known)
+    limit = np.zeros(n + 1, dtype=bool)  # _limit_reached, checked first at each position
+    if max_samples is not None:
+        limit |= count_before >= max_samples
+    if token_budget is not None:
+        limit |= tokens_before >= token_budget
+    over = np.zeros(n, dtype=bool)
+    if token_budget is not None:
+        over = ok & (tokens_before[:n] + tokens > token_budget)
+    stop = limit[:n] | ~known | over
+    end = int(np.argmax(stop)) if stop.any() else n
+    positions = np.arange(end)
+    selected = positions[ok[:end]].tolist()
+    failed_positions = positions[failed[:end] & known[:end]].tolist()
+    spent = int(tokens_before[end])
+    if end < n and not limit[end] and not known[end]:
+        return Selection(selected, failed_positions, spent, False, None, end)
+    if end < n:
+        reason = _limit_reached(len(selected), spent, token_budget, max_samples) or "token_budget"
+        return Selection(selected, failed_positions, spent, True, reason, end)
+    reason = _limit_reached(len(selected), spent, token_budget, max_samples)
+    return Selection(selected, failed_positions, spent, True, reason or "exhausted", n)

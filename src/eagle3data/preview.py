@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .progress import dataset_progress, journal_summary, prompt_order
+from .progress import DatasetProgress, dataset_progress, journal_summary, prompt_order
 from .settings import (
     generation_key,
     generation_settings,
@@ -67,16 +67,7 @@ def estimate_hidden_states(
     ds_cfg = config["datasets"][dataset]
     budget, max_samples = ds_cfg.get("token_budget"), ds_cfg.get("max_samples")
     per_token = model_bytes_per_token(config)
-    prompts_file = results / "prompts" / f"{dataset}.parquet"
-    progress = None
-    if per_token is not None and prompts_file.exists():
-        progress = dataset_progress(
-            *prompt_order(prompts_file),
-            journal_summary(journal_path(config, dataset, results), status_cache(results)),
-            token_budget=budget,
-            max_samples=max_samples,
-            max_seq_len=int(config["hidden_states"]["max_seq_len"]),
-        )
+    progress = generation_progress(config, dataset, results) if per_token is not None else None
     if progress is None or progress.basis == "nothing yet":
         if budget is None:
             return HiddenStateEstimate(dataset, "unknown", max_samples, None, per_token)
@@ -88,6 +79,57 @@ def estimate_hidden_states(
         progress.expected_tokens,
         per_token,
     )
+
+
+def generation_progress(
+    config: Mapping[str, Any], dataset: str, results_dir: str | Path = "results"
+) -> DatasetProgress | None:
+    """The dataset's budget prefix so far, or None before its prompts are prepared."""
+    results = Path(results_dir)
+    prompts_file = results / "prompts" / f"{dataset}.parquet"
+    if not prompts_file.exists():
+        return None
+    ds_cfg = config["datasets"][dataset]
+    return dataset_progress(
+        *prompt_order(prompts_file),
+        journal_summary(journal_path(config, dataset, results), status_cache(results)),
+        token_budget=ds_cfg.get("token_budget"),
+        max_samples=ds_cfg.get("max_samples"),
+        max_seq_len=int(config["hidden_states"]["max_seq_len"]),
+    )
+
+
+def generation_line(
+    config: Mapping[str, Any], dataset: str, progress: DatasetProgress | None
+) -> str:
+    """What generation still has to do for one dataset, in tokens and conversations."""
+    ds_cfg = config["datasets"][dataset]
+    budget, max_samples = ds_cfg.get("token_budget"), ds_cfg.get("max_samples")
+    limits = (
+        " and ".join(
+            text
+            for text in (
+                None if budget is None else f"{budget} completion tokens",
+                None if max_samples is None else f"{max_samples} conversations",
+            )
+            if text
+        )
+        or "no limit (every prompt)"
+    )
+    if progress is None or progress.basis == "nothing yet":
+        return f"  {dataset}: nothing generated yet; up to {limits}"
+    done = (
+        f"{progress.completion_tokens} completion tokens in {progress.conversations} conversations"
+    )
+    if progress.basis == "decided":
+        return f"  {dataset}: done: {done} (limits: {limits})"
+    more_convs = progress.expected_conversations - progress.conversations
+    if budget is not None:
+        more = f"about {max(budget - progress.completion_tokens, 0)} completion tokens"
+    else:
+        per = progress.completion_tokens / max(progress.conversations, 1)
+        more = f"about {round(more_convs * per)} completion tokens"
+    return f"  {dataset}: {done}; {more} (~{more_convs} conversations) to go (limits: {limits})"
 
 
 def journal_path(config: Mapping[str, Any], dataset: str, results_dir: str | Path) -> Path:
@@ -109,9 +151,15 @@ def human_bytes(n: float) -> str:
 
 
 def preview_lines(config: Mapping[str, Any], results_dir: str | Path = "results") -> list[str]:
-    """The dry run's summary: hidden-state bytes per dataset, total, free disk."""
+    """The dry run's summary: generation still to do, then hidden-state bytes per
+    dataset, their total and the free disk."""
+    lines = ["Generation (from the journals; see README, 'Dry run'):"]
+    lines += [
+        generation_line(config, ds, generation_progress(config, ds, results_dir))
+        for ds in config["datasets"]
+    ]
     estimates = [estimate_hidden_states(config, ds, results_dir) for ds in config["datasets"]]
-    lines = ["Hidden-state estimate (from the files on disk; see README, 'Dry run'):"]
+    lines.append("Hidden-state estimate (from the files on disk):")
     for e in estimates:
         if e.bytes_per_token is None:
             lines.append(f"  {e.dataset}: unknown until the model directory exists")

@@ -18,7 +18,7 @@ from pathlib import Path
 import polars as pl
 
 from .atomic import atomic_path, write_json
-from .budget import Outcome, Selection, select_prefix
+from .budget import Selection, select_prefix_arrays
 
 _RECORD_SCHEMA = {
     "id": pl.String,
@@ -137,14 +137,19 @@ def dataset_progress(
         "id", keep="first", maintain_order=True
     )
     capped = records.with_columns(pl.col("conversation_tokens").clip(upper_bound=max_seq_len))
-    outcomes = {
-        pid: Outcome(int(tokens), failed=bool(failed))
-        for pid, tokens, failed in capped.select("id", "completion_tokens", "failed").iter_rows()
-    }
-    sel = select_prefix(order, outcomes, token_budget=token_budget, max_samples=max_samples)
-    length = dict(capped.select("id", "conversation_tokens").iter_rows())
+    # One row per prompt position, with its record's outcome when there is one.
+    by_position = wanted.select("id").join(capped, on="id", how="left", maintain_order="left")
+    known = by_position["failed"].is_not_null().to_numpy()
+    sel = select_prefix_arrays(
+        known,
+        by_position["failed"].fill_null(False).to_numpy(),
+        by_position["completion_tokens"].fill_null(0).to_numpy(),
+        token_budget=token_budget,
+        max_samples=max_samples,
+    )
+    lengths = by_position["conversation_tokens"].fill_null(0).to_numpy()
     done = len(sel.selected)
-    tokens = sum(length[order[pos]] for pos in sel.selected)
+    tokens = int(lengths[sel.selected].sum()) if done else 0
     ok = capped.filter(~pl.col("failed"))
     generated = int(records["spent_tokens"].sum() or 0)
     failed = int(records["failed"].sum() or 0)

@@ -23,6 +23,8 @@ from eagle3data.gpu_slots import (
     resolve_gpus_per_job,
 )
 
+ORIGINAL_VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")  # as pytest started
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 # A job holding `count` of `total` fake GPUs: prints what it got, then waits for stdin.
@@ -260,7 +262,11 @@ def test_job_gpus_from_config():
 
 
 def test_acquire_for_snakemake_job(tmp_path, monkeypatch):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # setenv first, so that the value the job sets is undone after the test: delenv of
+    # an absent variable records nothing to restore, and the leak made later tests of
+    # this process ask SLURM for a GPU.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setenv(gpu_slots.LOCK_DIR_ENV, str(tmp_path))
     job = SimpleNamespace(
         resources=SimpleNamespace(gpu=2), config={"gpus": {"count": 3, "lock_timeout_s": 1}}
@@ -298,3 +304,8 @@ def test_a_snakemake_job_that_gets_no_gpu_fails_with_one_line(tmp_path, monkeypa
         acquire_for_snakemake_job(job)
     assert exit_info.value.code == 1
     assert "needs 3 GPU(s) but this machine has 2" in caplog.text
+
+
+def test_no_test_leaves_cuda_visible_devices_set() -> None:
+    # Runs after the tests above (same module, file order): none of them may leak it.
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == ORIGINAL_VISIBLE

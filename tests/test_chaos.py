@@ -130,16 +130,17 @@ def durable_journal_keys(wf: Workflow, datasets: Any) -> set[str]:
 
 
 def tear_last_record(wf: Workflow, datasets: Any) -> str | None:
-    """Cut the last record of a journal still being written in half, as a power loss
-    during the append would; return its dataset."""
+    """Leave half a record at the end of a journal still being written, as a power loss
+    during an append would; return its dataset. Records already there were fsynced
+    and survive a power loss, so they stay whole."""
     for ds in datasets:
         if wf.path(f"results/responses/{ds}.jsonl").exists():
             continue  # that generate job is finished: nothing appends to its journal
         for path in wf.path(f"results/.work/generate/{ds}").glob("*.jsonl"):
-            data = path.read_bytes()
-            records = data.splitlines(keepends=True)
+            records = path.read_bytes().splitlines(keepends=True)
             if records:
-                path.write_bytes(data[: len(data) - len(records[-1]) // 2])
+                with path.open("ab") as fh:
+                    fh.write(records[-1][: len(records[-1]) // 2])
                 return ds
     return None
 
@@ -259,7 +260,7 @@ def test_random_kills_at_every_stage_change_nothing(make_workflow, tmp_path: Pat
     _assert_nothing_redone([first_user_text(json.loads(c)) for c in ours_calls], snapshots)
     repeats = sum(n - 1 for n in collections.Counter(ours_calls).values())
     turns_per_batch = 2 * 2  # batch_size 2, at most two user turns per prompt
-    assert repeats <= len(kills) * turns_per_batch + int(torn is not None), (repeats, kills)
+    assert repeats <= len(kills) * turns_per_batch, (repeats, kills)
 
 
 def test_random_kills_of_http_generation_change_nothing(make_workflow, tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from .settings import (
     model_fingerprint,
     read_model_config,
     resolve_dtype_name,
+    sidecar_path,
 )
 from .shards import bytes_per_token
 
@@ -133,9 +134,9 @@ def generation_line(
 
 
 def journal_path(config: Mapping[str, Any], dataset: str, results_dir: str | Path) -> Path:
-    """The journal the current generation settings write (see steps.sidecar_path)."""
+    """The journal the current generation settings write."""
     key = generation_key(generation_settings(config), model_fingerprint(config["model"]["path"]))
-    return Path(results_dir) / ".work" / "generate" / dataset / f"{key}.jsonl"
+    return sidecar_path(Path(results_dir) / ".work", dataset, key)
 
 
 def status_cache(results_dir: str | Path) -> Path:

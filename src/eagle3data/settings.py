@@ -126,3 +126,8 @@ def resolve_dtype_name(requested: str, model_config: Mapping[str, Any]) -> str:
 def hidden_state_dtype(hidden_cfg: Mapping[str, Any], model_dtype: str) -> str:
     """The dtype hidden states are stored in, before resolving ``auto`` from the model."""
     return model_dtype if hidden_cfg["dtype"] == "auto" else hidden_cfg["dtype"]
+
+
+def sidecar_path(work_dir: str | Path, dataset: str, key: str) -> Path:
+    """The generation journal of ``dataset`` for settings ``key`` (work_dir: results/.work)."""
+    return Path(work_dir) / "generate" / dataset / f"{key}.jsonl"

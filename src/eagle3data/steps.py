@@ -26,6 +26,7 @@ from .settings import (
     hidden_state_dtype,
     model_fingerprint,
     model_name,
+    sidecar_path,
 )
 
 log = logging.getLogger(__name__)
@@ -150,10 +151,6 @@ def load_prompts(path: str) -> list[Prompt]:
 
 
 # --- generate --------------------------------------------------------------
-
-
-def sidecar_path(work_dir: str, dataset: str, key: str) -> Path:
-    return Path(work_dir) / "generate" / dataset / f"{key}.jsonl"
 
 
 def generate(

@@ -9,6 +9,7 @@ from snakemake.utils import min_version, validate
 # The workflow's logic lives in src/eagle3data; make it importable without an install.
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
+from eagle3data.driver_signals import relay_sigterm_off_main_thread
 from eagle3data.settings import generation_settings
 
 min_version("9.0")
@@ -35,6 +36,11 @@ def check_paths(config):
 
 
 check_paths(config)
+
+
+onstart:
+    # Snakemake's own SIGTERM handler can deadlock the driver: see driver_signals.py.
+    relay_sigterm_off_main_thread()
 
 
 wildcard_constraints:

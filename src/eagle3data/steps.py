@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -52,31 +53,30 @@ class ValidationError(RuntimeError):
     """Produced data failed a check; the message lists every problem."""
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from .chat import ChatTemplateError
-    from .engines.openai_engine import EngineUnavailable
-    from .generation import GenerationAborted
-    from .gpu_slots import GpuSlotError
-    from .journal import JournalCorruptError, JournalLockedError
-    from .layers import AuxLayerError
-    from .prompts import PromptFormatError
-    from .shards import ShardFormatError
-    from .vocab import DraftVocabError
+# Errors about the user's data or config, by module. Matched through sys.modules:
+# an exception can only come from a module that is imported, and importing the rest
+# (torch, transformers, h5py) on the way out would delay a stop by seconds.
+_USER_ERRORS = {
+    "eagle3data.chat": ("ChatTemplateError",),
+    "eagle3data.engines.openai_engine": ("EngineUnavailable",),
+    "eagle3data.generation": ("GenerationAborted",),
+    "eagle3data.gpu_slots": ("GpuSlotError",),
+    "eagle3data.journal": ("JournalCorruptError", "JournalLockedError"),
+    "eagle3data.layers": ("AuxLayerError",),
+    "eagle3data.prompts": ("PromptFormatError",),
+    "eagle3data.shards": ("ShardFormatError",),
+    "eagle3data.vocab": ("DraftVocabError",),
+}
 
-    return (
-        AuxLayerError,
-        ChatTemplateError,
-        DiskSpaceError,
-        DraftVocabError,
-        EngineUnavailable,
-        GenerationAborted,
-        FileNotFoundError,
-        GpuSlotError,
-        JournalCorruptError,
-        JournalLockedError,
-        PromptFormatError,
-        ShardFormatError,
-        ValidationError,
+
+def is_user_error(exc: BaseException) -> bool:
+    if isinstance(exc, DiskSpaceError | ValidationError | FileNotFoundError):
+        return True
+    return any(
+        isinstance(exc, getattr(sys.modules[module], name))
+        for module, names in _USER_ERRORS.items()
+        if module in sys.modules
+        for name in names
     )
 
 
@@ -89,11 +89,11 @@ def run_step(log_path: str | None, step: Callable[..., None], **kwargs: Any) -> 
     setup_logging(log_path)
     try:
         step(**kwargs)
-    except _user_errors() as exc:
-        log.error("%s", exc)
-        raise SystemExit(1) from None
-    except Exception:
-        log.exception("%s failed", step.__name__)
+    except Exception as exc:
+        if is_user_error(exc):
+            log.error("%s", exc)
+        else:
+            log.exception("%s failed", step.__name__)
         raise SystemExit(1) from None
 
 

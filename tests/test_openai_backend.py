@@ -6,6 +6,7 @@ silently lost, none duplicated, whatever the server does.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -305,3 +306,33 @@ def test_reasoning_and_template_kwargs_go_through(tmp_path: Path) -> None:
     for r in single:
         asked = [{"role": "user", "content": r["messages"][0]["content"]}]
         assert r["usage"]["completion_tokens"] == server.completion_tokens_for(asked)
+
+
+def test_cancelled_requests_do_not_count_against_the_endpoint(tmp_path: Path, caplog) -> None:
+    """A stop (or a reached budget) cancels what is in flight: that is our doing, so the
+    endpoint must not be paused or logged as failing."""
+
+    async def cancel_in_flight(url: str) -> list:
+        engine = engine_for(url, endpoint_max_failures=2, endpoint_pause_s=30)
+        await engine.start()
+        try:
+            messages = [{"role": "user", "content": "question"}]
+            tasks = [asyncio.ensure_future(engine.complete(messages)) for _ in range(8)]
+            await asyncio.sleep(0.3)
+            assert not any(t.done() for t in tasks), "the server was meant to be slow"
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return engine.pool.endpoints
+        finally:
+            await engine.close()
+
+    with (
+        FakeOpenAIServer(slots=1, tokens_per_s=5, mean_tokens=40) as server,
+        caplog.at_level(logging.WARNING),
+    ):
+        [endpoint] = asyncio.run(cancel_in_flight(server.url))
+    assert endpoint.in_flight == 0
+    assert endpoint.consecutive_failures == 0
+    assert endpoint.paused_until <= time.monotonic()
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]

@@ -105,12 +105,13 @@ class EndpointPool:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), timeout)
 
-    async def release(self, endpoint: _Endpoint, *, healthy: bool) -> None:
+    async def release(self, endpoint: _Endpoint, *, healthy: bool | None) -> None:
+        """``healthy`` None: the request ended without telling anything about the server."""
         async with self._changed:
             endpoint.in_flight -= 1
             if healthy:
                 endpoint.consecutive_failures = 0
-            else:
+            elif healthy is False:
                 endpoint.consecutive_failures += 1
                 if endpoint.consecutive_failures >= self.max_failures:
                     endpoint.paused_until = time.monotonic() + self.pause_s
@@ -270,7 +271,7 @@ class OpenAIEngine:
     async def _post(self, body: dict[str, Any]) -> Completion | TurnFailure:
         assert self._session is not None, "call start() first"
         endpoint = await self.pool.acquire()
-        healthy = False
+        healthy: bool | None = False
         try:
             url = f"{endpoint.url}/chat/completions"
             try:
@@ -289,6 +290,9 @@ class OpenAIEngine:
                 healthy = False
                 raise TransientError(f"{url}: HTTP 200 with a body that is not JSON")
             return self._completion(payload, url)
+        except asyncio.CancelledError:
+            healthy = None  # we hung up (a stop, or the budget is reached): no verdict
+            raise
         finally:
             await self.pool.release(endpoint, healthy=healthy)
 

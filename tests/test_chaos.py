@@ -11,6 +11,7 @@ validate. Engine work is counted across the kills: the in-process engine through
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import random
@@ -74,32 +75,55 @@ def running_stages(pgid: int) -> set[str]:
 GRACE_S = 60.0  # how long a signalled run may take to stop before it counts as hung
 
 
-def group_alive(pgid: int) -> bool:
+def group_pids(pgid: int) -> list[int]:
+    pids = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
                 if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                    return True
+                    pids.append(int(proc.name))
             except (OSError, ValueError, IndexError):
-                continue
-    return False
+                continue  # exited while we looked
+    return pids
 
 
-def stop_group(proc: Any, sig: signal.Signals) -> bool:
+def _stacks_of(pids: list[int], stack_dir: Path) -> str:
+    """Ask each process to write its Python stacks (tests/instrument/sitecustomize.py)
+    and return them with each process's command line."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(2.0)
+    report = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            cmdline = "(gone)"
+        dump = stack_dir / f"{pid}.txt"
+        report.append(f"--- pid {pid}: {cmdline}\n{dump.read_text() if dump.exists() else ''}")
+    return "\n".join(report)
+
+
+def stop_group(proc: Any, sig: signal.Signals, stack_dir: Path) -> tuple[float, str | None]:
     """Signal the run's process group and wait until *every* process of it is gone (a
-    job may outlive Snakemake while it stops); SIGKILL it if that takes longer than
-    GRACE_S. Returns whether it had to (a hang, reported by the test)."""
+    job may outlive Snakemake while it stops). Returns the seconds that took, and for
+    a run still there GRACE_S later (hung) the stacks of its processes, after which
+    it is SIGKILLed."""
     os.killpg(proc.pid, sig)
-    deadline = time.monotonic() + GRACE_S
-    while (proc.poll() is None or group_alive(proc.pid)) and time.monotonic() < deadline:
+    start = time.monotonic()
+    while (proc.poll() is None or group_pids(proc.pid)) and time.monotonic() < start + GRACE_S:
         time.sleep(0.05)
-    hung = proc.poll() is None or group_alive(proc.pid)
-    if hung:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        while group_alive(proc.pid):
-            time.sleep(0.05)
-    return hung
+    seconds = round(time.monotonic() - start, 1)
+    stuck = group_pids(proc.pid)
+    if not stuck and proc.poll() is not None:
+        return seconds, None
+    stacks = _stacks_of(stuck, stack_dir)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    while group_pids(proc.pid):
+        time.sleep(0.05)
+    return seconds, stacks
 
 
 def wait_for_stage(proc: Any, stage: str, timeout: float = 300) -> bool:
@@ -178,12 +202,23 @@ def _shard_contents(wf: Workflow, ds: str) -> list[tuple]:
     return out
 
 
-def _counted(wf: Workflow, name: str) -> Path:
-    log = wf.root / f"{name}.calls.jsonl"
+def _instrument(wf: Workflow) -> Path:
+    """Load tests/instrument/sitecustomize.py in every Python process of ``wf``'s runs,
+    with stack dumps on SIGUSR1 into the returned folder."""
+    stacks = wf.root / "stacks"
+    stacks.mkdir(exist_ok=True)
     wf.env.update(
         PYTHONPATH=os.pathsep.join(filter(None, [str(INSTRUMENT), os.environ.get("PYTHONPATH")])),
-        EAGLE3DATA_CALL_LOG=str(log),
+        EAGLE3DATA_STACK_DIR=str(stacks),
     )
+    return stacks
+
+
+def _counted(wf: Workflow, name: str) -> Path:
+    """Also count the in-process engine's calls, into the returned file."""
+    _instrument(wf)
+    log = wf.root / f"{name}.calls.jsonl"
+    wf.env["EAGLE3DATA_CALL_LOG"] = str(log)
     return log
 
 
@@ -212,7 +247,7 @@ def test_random_kills_at_every_stage_change_nothing(make_workflow, tmp_path: Pat
     wf = make_workflow(datasets, name="chaos", generation={"batch_size": 2})
     calls_path = _counted(wf, "chaos")
     signals = rng.sample(SIGNALS * 4, len(KILL_PLAN))  # each signal at least twice
-    kills, snapshots, torn = [], [], None
+    kills, snapshots, hangs, torn = [], [], [], None
     for sig, (stage, low, high) in zip(signals, KILL_PLAN, strict=True):
         proc = wf.start()
         if not wait_for_stage(proc, stage):
@@ -221,17 +256,20 @@ def test_random_kills_at_every_stage_change_nothing(make_workflow, tmp_path: Pat
         hit = running_stages(proc.pid)
         if proc.poll() is not None:
             break
-        hung = stop_group(proc, sig)
-        kills.append(
-            (sig.name, stage, sorted(hit)) + (("hung: SIGKILL after 60 s",) if hung else ())
-        )
+        seconds, hung = stop_group(proc, sig, wf.root / "stacks")
+        kills.append((sig.name, stage, sorted(hit), seconds))
+        if hung:
+            hangs.append(f"{sig.name} while {sorted(hit)} ran:\n{hung}")
         if sig == signal.SIGKILL or hung:
             if sig == signal.SIGKILL and "generate" in hit and not torn:
                 torn = tear_last_record(wf, datasets)  # power loss mid-append
             wf.run("--unlock")  # README: after kill -9, unlock, then the same command
         snapshots.append((len(call_log(calls_path)), durable_journal_keys(wf, datasets)))
     wf.run()
-    print(f"seed {SEED}: kills (signal, waited for, stages running): {kills}")
+    print(f"seed {SEED}: kills (signal, waited for, stages running, seconds to stop): {kills}")
+    assert not hangs, f"seed {SEED}: runs still there {GRACE_S} s after a signal:\n" + "\n".join(
+        hangs
+    )
 
     hit_stages = {s for kill in kills for s in kill[2]}
     assert {"generate", "tokenize", "hidden_states", "validate"} <= hit_stages, (SEED, kills)
@@ -290,8 +328,9 @@ def test_random_kills_of_http_generation_change_nothing(make_workflow, tmp_path:
         server.reset()
 
         wf = make_workflow(datasets, name="chaos", **http)
+        stacks = _instrument(wf)
         signals = rng.sample(SIGNALS * 3, 8)  # each signal at least twice
-        kills, snapshots = [], []
+        kills, snapshots, hangs = [], [], []
         for sig in signals:
             proc = wf.start(*targets)
             if not wait_for_stage(proc, "generate"):
@@ -299,18 +338,23 @@ def test_random_kills_of_http_generation_change_nothing(make_workflow, tmp_path:
             time.sleep(rng.uniform(0.5, 3.0))
             if proc.poll() is not None:
                 break
-            hung = stop_group(proc, sig)
-            kills.append(sig.name + (" (hung: SIGKILL after 60 s)" if hung else ""))
+            seconds, hung = stop_group(proc, sig, stacks)
+            kills.append((sig.name, seconds))
+            if hung:
+                hangs.append(f"{sig.name}:\n{hung}")
             if sig == signal.SIGKILL or hung:
                 wf.run("--unlock")
             snapshots.append((len(server.requests), durable_journal_keys(wf, datasets)))
         wf.run(*targets)
-        print(f"seed {SEED + 1}: kills {kills}")
+        print(f"seed {SEED + 1}: kills (signal, seconds to stop): {kills}")
+        assert not hangs, f"seed {SEED + 1}: runs still there {GRACE_S} s after a signal:\n" + (
+            "\n".join(hangs)
+        )
         requests = [first_user_text(body["messages"]) for body in server.requests]
         completed = server.completed_per_conversation()
 
     assert len(kills) >= 5, (SEED + 1, kills)
-    assert {k.split()[0] for k in kills} == {s.name for s in SIGNALS}, (SEED + 1, kills)
+    assert {k[0] for k in kills} == {s.name for s in SIGNALS}, (SEED + 1, kills)
     assert wf.plans_nothing(*targets)
     _assert_same_results(wf, reference, datasets, kills)
     _assert_nothing_redone(requests, snapshots)

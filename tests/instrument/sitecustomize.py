@@ -4,20 +4,27 @@
 With ``EAGLE3DATA_CALL_LOG`` set, every conversation the in-process engine finishes is
 appended to that file as one JSON line (its messages) right after the engine returns it,
 so a test can count engine work across processes that get killed at any moment.
+
+With ``EAGLE3DATA_STACK_DIR`` set, SIGUSR1 makes any Python process (Snakemake's
+driver, its job runners, our scripts) write the stacks of all its threads to
+``<dir>/<pid>.txt``: how a test shows where a run that does not stop is stuck.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.abc
 import importlib.machinery
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 CALL_LOG = os.environ.get("EAGLE3DATA_CALL_LOG")
+STACK_DIR = os.environ.get("EAGLE3DATA_STACK_DIR")
 ENGINE_MODULE = "eagle3data.engines.transformers_engine"
 
 
@@ -62,3 +69,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 if CALL_LOG:
     sys.meta_path.insert(0, _PatchOnImport())
+
+if STACK_DIR:
+    # Kept open for the process's life: faulthandler writes to its descriptor.
+    _stacks = open(os.path.join(STACK_DIR, f"{os.getpid()}.txt"), "a")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)

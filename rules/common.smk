@@ -153,5 +153,6 @@ def plan_shards_input(wildcards):
     show_preview_on_dry_run()
     return {
         "tokenized": f"results/tokenized/{wildcards.dataset}.parquet",
+        "tokenize_stats": f"results/tokenized/{wildcards.dataset}.stats.json",
         "model": model_config_file(),
     }

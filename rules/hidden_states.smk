@@ -12,15 +12,19 @@ checkpoint plan_shards:
         "../envs/torch.yaml"
     params:
         settings=hidden_state_params,
+        spec_dir=f"{WORK_DIR}/shards/{{dataset}}",
     script:
         "../scripts/plan_shards.py"
 
 
+# A shard re-runs when its spec changes (plan_shards rewrites only changed specs), not
+# whenever the dataset's files do: raising a budget extracts only new or changed shards.
 rule hidden_states:
     input:
-        plan="results/hidden_states/{dataset}/plan.json",
-        tokenized="results/tokenized/{dataset}.parquet",
-        tokenize_stats="results/tokenized/{dataset}.stats.json",
+        spec=f"{WORK_DIR}/shards/{{dataset}}/shard-{{shard}}.json",
+        plan=ancient("results/hidden_states/{dataset}/plan.json"),
+        tokenized=ancient("results/tokenized/{dataset}.parquet"),
+        tokenize_stats=ancient("results/tokenized/{dataset}.stats.json"),
         model=model_config_file(),
     output:
         shard="results/hidden_states/{dataset}/shard-{shard}.h5",

@@ -21,7 +21,7 @@ if __name__ == "__main__":
         extract_shard,
         dataset=snakemake.wildcards.dataset,
         shard=int(snakemake.wildcards.shard),
-        plan_path=snakemake.input.plan,
+        spec_path=snakemake.input.spec,
         tokenized_path=snakemake.input.tokenized,
         tokenize_stats_path=snakemake.input.tokenize_stats,
         model_path=snakemake.config["model"]["path"],

@@ -12,8 +12,10 @@ run_step(
     plan_shards,
     dataset=snakemake.wildcards.dataset,
     tokenized_path=snakemake.input.tokenized,
+    tokenize_stats_path=snakemake.input.tokenize_stats,
     model_path=snakemake.config["model"]["path"],
     hidden_cfg=snakemake.config["hidden_states"],
     model_dtype=snakemake.config["model"]["dtype"],
     out_plan=snakemake.output.plan,
+    spec_dir=snakemake.params.spec_dir,
 )

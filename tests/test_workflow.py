@@ -8,6 +8,7 @@ second run, kill-and-resume without loss or duplication, budget changes.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -174,6 +175,67 @@ def test_budget_changes_reuse_the_sidecar(generated: Workflow) -> None:
     assert stats["records_generated_now"] == 0
     assert stats["completion_tokens"] <= 50
     assert finished.responses("A1") == rows_before[: len(finished.responses("A1"))]
+
+
+def _shard_files(wf: Workflow, ds: str) -> dict[str, tuple[int, int]]:
+    """Each shard file's (inode, mtime): equal only if the file was not written again."""
+    return {
+        p.name: (p.stat().st_ino, p.stat().st_mtime_ns)
+        for p in sorted(wf.path(f"results/hidden_states/{ds}").glob("shard-*.h5"))
+    }
+
+
+def _shard_samples(wf: Workflow, ds: str) -> list[tuple]:
+    out = []
+    for path in sorted(wf.path(f"results/hidden_states/{ds}").glob("shard-*.h5")):
+        with open_shard(path) as shard:
+            states = (shard.aux_hidden_states().tobytes(), shard.last_hidden_states().tobytes())
+            out.append((path.name, shard.sample_ids, shard.input_ids.tolist(), *states))
+    return out
+
+
+def test_budget_changes_extract_only_new_or_changed_shards(make_workflow, tmp_path) -> None:
+    """Raising a budget appends conversations: the full shards before them are kept as
+    they are (not extracted again); lowering it removes the shards beyond the plan.
+    Either way the shards equal a fresh run's."""
+    datasets = {"A1": _two_datasets(tmp_path)["A1"]}
+    target = "results/hidden_states/A1/manifest.json"
+    wf = make_workflow(datasets)
+    wf.run(target)
+    before = _shard_files(wf, "A1")
+    assert len(before) >= 3
+
+    wf.config["datasets"]["A1"]["token_budget"] = 200
+    wf.write_config()
+    wf.run(target)
+    after = _shard_files(wf, "A1")
+    kept = [name for name in before if after.get(name) == before[name]]
+    assert kept and kept == sorted(before)[: len(kept)], "the leading shards are kept"
+    assert len(kept) >= len(before) - 1, "only the last shard can change"
+    assert len(after) > len(before)
+    changed = re.findall(
+        r"A1: (\d+) of (\d+) shard\(s\) new or changed",
+        wf.path("logs/plan_shards/A1.log").read_text(),
+    )
+    assert changed[-1] == (str(len(after) - len(kept)), str(len(after)))
+
+    fresh_sets = {"A1": {**datasets["A1"], "token_budget": 200}}
+    fresh = make_workflow(fresh_sets, name="fresh")
+    fresh.run(target)
+    assert _shard_samples(wf, "A1") == _shard_samples(fresh, "A1")
+    assert wf.plans_nothing(target)
+
+    wf.config["datasets"]["A1"]["token_budget"] = 40
+    wf.write_config()
+    wf.run(target)
+    plan = json.loads(wf.path("results/hidden_states/A1/plan.json").read_text())
+    lowered = _shard_files(wf, "A1")
+    assert sorted(lowered) == [f"shard-{s['shard']:05d}.h5" for s in plan["shards"]]
+    assert len(lowered) < len(before), "shards beyond the plan are gone"
+    assert "no longer planned" in wf.path("logs/plan_shards/A1.log").read_text()
+    manifest = json.loads(wf.path(target).read_text())
+    assert [s["file"] for s in manifest["shards"]] == sorted(lowered)
+    assert wf.plans_nothing(target)
 
 
 def _planned_datasets(wf: Workflow, *targets: str) -> set[str]:

@@ -7,6 +7,7 @@ previous state or the complete new one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -17,7 +18,7 @@ from typing import Any
 
 import polars as pl
 
-from .atomic import atomic_path, write_json, write_jsonl
+from .atomic import atomic_open, atomic_path, write_json, write_jsonl
 from .generation import ErrorLimits, GenerationJob, Prompt, run_generation, write_outputs
 from .preview import human_bytes
 from .prompts import read_prompts, seeded_order
@@ -387,14 +388,84 @@ def tokenize(
 # --- hidden states: plan, extract, validate ---------------------------------
 
 
+SHARD_SPEC_COLUMNS = ["id", "num_tokens", "input_ids", "loss_mask"]
+
+
+def shard_rows(tokenized_path: str | Path, start: int, end: int) -> pl.DataFrame:
+    """Rows [start, end) of a tokenized dataset, reading only the row groups they are in."""
+    lazy = pl.scan_parquet(tokenized_path).select(SHARD_SPEC_COLUMNS)
+    return lazy.slice(start, end - start).collect()
+
+
+def rows_digest(rows: pl.DataFrame) -> str:
+    """What a shard's extraction reads from its rows, as one hash (ids, tokens, masks)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update("\0".join(rows["id"].to_list()).encode())
+    for column, dtype in (
+        ("num_tokens", pl.Int64),
+        ("input_ids", pl.Int64),
+        ("loss_mask", pl.Int8),
+    ):
+        values = rows[column].explode() if column != "num_tokens" else rows[column]
+        digest.update(values.cast(dtype).to_numpy().tobytes())
+    return digest.hexdigest()
+
+
+def shard_spec(
+    dataset: str, shard: int, start: int, end: int, rows: pl.DataFrame, tok_stats: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Everything a shard's extraction reads besides the model and ``hidden_states``
+    settings (Snakemake tracks those): rewritten only when it changes, it is what
+    makes a shard job re-run, so raising a budget extracts only new or changed shards."""
+    return {
+        "dataset": dataset,
+        "shard": shard,
+        "start": start,
+        "end": end,
+        "rows_digest": rows_digest(rows),
+        **{key: tok_stats[key] for key in ("tokenizer_hash", "chat_template_hash", "max_seq_len")},
+    }
+
+
+def write_shard_specs(specs: list[dict[str, Any]], spec_dir: Path) -> int:
+    """Write each spec whose content changed (an unchanged file keeps its mtime) and
+    remove those of shards no longer planned. Returns how many were (re)written."""
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    written = 0
+    for spec in specs:
+        path = spec_dir / f"shard-{spec['shard']:05d}.json"
+        text = json.dumps(spec, indent=2, sort_keys=True) + "\n"
+        if not path.exists() or path.read_text() != text:
+            with atomic_open(path) as fh:
+                fh.write(text)
+            written += 1
+    remove_unplanned(spec_dir, "json", len(specs))
+    return written
+
+
+def remove_unplanned(directory: Path, suffix: str, planned: int) -> list[str]:
+    """Remove ``shard-NNNNN.<suffix>`` files numbered beyond the plan (after a lowered
+    budget): left there, they are stale data for anything that lists the directory."""
+    stale = [
+        path
+        for path in sorted(directory.glob(f"shard-*.{suffix}"))
+        if path.stem[6:].isdigit() and int(path.stem[6:]) >= planned
+    ]
+    for path in stale:
+        path.unlink()
+    return [path.name for path in stale]
+
+
 def plan_shards(
     *,
     dataset: str,
     tokenized_path: str,
+    tokenize_stats_path: str,
     model_path: str,
     hidden_cfg: Mapping[str, Any],
     model_dtype: str,
     out_plan: str,
+    spec_dir: str,
 ) -> None:
     from .settings import hidden_size, read_model_config, resolve_dtype_name
     from .shards import bytes_per_token
@@ -417,6 +488,23 @@ def plan_shards(
         shards.append({"start": start, "end": len(lengths), "tokens": tokens})
     total = sum(lengths)
     check_disk_space(dataset, Path(out_plan).parent, total * per_token)
+    tok_stats = json.loads(Path(tokenize_stats_path).read_text())
+    specs = [
+        shard_spec(
+            dataset,
+            k,
+            s["start"],
+            s["end"],
+            shard_rows(tokenized_path, s["start"], s["end"]),
+            tok_stats,
+        )
+        for k, s in enumerate(shards)
+    ]
+    changed = write_shard_specs(specs, Path(spec_dir))
+    removed = remove_unplanned(Path(out_plan).parent, "h5", len(shards))
+    if removed:
+        log.info("%s: removed %d shard(s) no longer planned: %s", dataset, len(removed), removed)
+    log.info("%s: %d of %d shard(s) new or changed", dataset, changed, len(shards))
     write_json(
         out_plan,
         {
@@ -464,7 +552,7 @@ def extract_shard(
     *,
     dataset: str,
     shard: int,
-    plan_path: str,
+    spec_path: str,
     tokenized_path: str,
     tokenize_stats_path: str,
     model_path: str,
@@ -479,10 +567,17 @@ def extract_shard(
     from .shards import ShardWriter
     from .torch_utils import dtype_name, set_threads
 
-    plan = json.loads(Path(plan_path).read_text())
-    entry = plan["shards"][shard]
-    df = pl.read_parquet(tokenized_path).slice(entry["start"], entry["end"] - entry["start"])
+    spec = json.loads(Path(spec_path).read_text())
+    df = shard_rows(tokenized_path, spec["start"], spec["end"])
     tok_stats = json.loads(Path(tokenize_stats_path).read_text())
+    # The spec is what decides whether this shard is redone: never extract rows it
+    # does not describe (it would be a bug upstream, so fail loudly).
+    if spec != shard_spec(dataset, shard, spec["start"], spec["end"], df, tok_stats):
+        raise ValidationError(
+            f"{dataset} shard {shard}: {spec_path} does not describe rows "
+            f"{spec['start']}-{spec['end']} of {tokenized_path}; re-run plan_shards "
+            f"(snakemake -R plan_shards)"
+        )
     set_threads(threads)
     extractor = build_extractor(model_path, hidden_cfg, model_dtype)
     dtype = dtype_name(extractor.dtype)

@@ -401,13 +401,9 @@ def rows_digest(rows: pl.DataFrame) -> str:
     """What a shard's extraction reads from its rows, as one hash (ids, tokens, masks)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update("\0".join(rows["id"].to_list()).encode())
-    for column, dtype in (
-        ("num_tokens", pl.Int64),
-        ("input_ids", pl.Int64),
-        ("loss_mask", pl.Int8),
-    ):
-        values = rows[column].explode() if column != "num_tokens" else rows[column]
-        digest.update(values.cast(dtype).to_numpy().tobytes())
+    digest.update(rows["num_tokens"].cast(pl.Int64).to_numpy().tobytes())
+    for column, dtype in (("input_ids", pl.Int64), ("loss_mask", pl.Int8)):
+        digest.update(rows[column].explode().cast(dtype).to_numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -474,7 +470,8 @@ def plan_shards(
     dtype = resolve_dtype_name(hidden_state_dtype(hidden_cfg, model_dtype), model_config)
     width = hidden_size(model_config)
     per_token = bytes_per_token(width, dtype)
-    lengths = pl.read_parquet(tokenized_path, columns=["num_tokens"])["num_tokens"].to_list()
+    rows = pl.read_parquet(tokenized_path, columns=SHARD_SPEC_COLUMNS)  # once: slices are views
+    lengths = rows["num_tokens"].to_list()
     max_tokens = max(1, hidden_cfg["shard_bytes"] // per_token)
     shards: list[dict[str, int]] = []
     start = 0
@@ -490,14 +487,7 @@ def plan_shards(
     check_disk_space(dataset, Path(out_plan).parent, total * per_token)
     tok_stats = json.loads(Path(tokenize_stats_path).read_text())
     specs = [
-        shard_spec(
-            dataset,
-            k,
-            s["start"],
-            s["end"],
-            shard_rows(tokenized_path, s["start"], s["end"]),
-            tok_stats,
-        )
+        shard_spec(dataset, k, s["start"], s["end"], rows[s["start"] : s["end"]], tok_stats)
         for k, s in enumerate(shards)
     ]
     changed = write_shard_specs(specs, Path(spec_dir))

@@ -46,15 +46,16 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from eagle3data.extract import (  # noqa: E402
-    HiddenStateExtractor,
+from eagle3data import layout  # noqa: E402
+from eagle3data.hidden_states.extraction import (  # noqa: E402
     extract_into_shard,
     length_batches,
 )
+from eagle3data.hidden_states.transformers_capture import HiddenStateExtractor  # noqa: E402
 from eagle3data.shards import ShardWriter, bytes_per_token  # noqa: E402
 from eagle3data.torch_utils import dtype_name, load_causal_lm  # noqa: E402
 
-DEMO_MODEL = REPO / "resources" / "models" / "SmolLM2-135M-Instruct"
+DEMO_MODEL = REPO / layout.DEMO_MODEL
 
 
 def parse_args() -> argparse.Namespace:

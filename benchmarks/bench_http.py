@@ -1,6 +1,6 @@
 """Throughput, client CPU and budget waste of the HTTP backend.
 
-Runs the real generation driver and OpenAIEngine against tests/fake_openai.py
+Runs the real generation driver and OpenAIEngine against tests/support/fake_openai.py
 started as a separate process that simulates an engine with fixed capacity:
 S concurrent slots generating R tokens/s each, requests beyond S queue (FIFO),
 a closed connection frees its slot (as SGLang aborts such a request).
@@ -33,9 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from eagle3data.engines.openai_engine import HttpSettings, OpenAIEngine  # noqa: E402
-from eagle3data.generation import GenerationJob, Prompt, run_generation  # noqa: E402
-from eagle3data.prompts import prompt_hash  # noqa: E402
+from eagle3data.generation.driver import GenerationJob, Prompt, run_generation  # noqa: E402
+from eagle3data.generation.engines.openai_engine import HttpSettings, OpenAIEngine  # noqa: E402
+from eagle3data.prompts.sources import prompt_hash  # noqa: E402
 
 SAMPLING = {
     "temperature": 0.0,
@@ -51,7 +51,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [
             sys.executable,
-            str(REPO / "tests" / "fake_openai.py"),
+            str(REPO / "tests" / "support" / "fake_openai.py"),
             "--port",
             "0",
             "--model",

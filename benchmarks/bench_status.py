@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from eagle3data.atomic import dumps_line
-from eagle3data.progress import dataset_progress, journal_summary
+from eagle3data.monitor.progress import dataset_progress, journal_summary
 
 
 def _record(i: int, rng: random.Random, chars: int) -> dict:

@@ -3,32 +3,32 @@
 
 rule export_specforge:
     input:
-        manifest="results/hidden_states/{dataset}/manifest.json",
+        manifest=rules.validate.output.manifest,
     output:
-        directory=directory("results/specforge/{dataset}"),
+        directory=directory(layout.SPECFORGE),
     log:
         "logs/export_specforge/{dataset}.log",
     conda:
         "../envs/torch.yaml"
     params:
-        work_dir=f"{WORK_DIR}/specforge",
+        work_dir=layout.SPECFORGE_WORK,
     script:
         "../scripts/export_specforge.py"
 
 
 rule draft_vocab:
     input:
-        tokenized=expand("results/tokenized/{dataset}.parquet", dataset=DATASETS),
+        tokenized=expand(rules.tokenize.output.tokenized, dataset=DATASETS),
         model=model_config_file(),
     output:
-        mapping="results/vocab/draft_vocab.pt",
-        summary="results/vocab/draft_vocab.json",
+        mapping=layout.DRAFT_VOCAB,
+        summary=layout.DRAFT_VOCAB_SUMMARY,
     log:
         "logs/draft_vocab/draft_vocab.log",
     conda:
         "../envs/torch.yaml"
     params:
-        size=config["draft_vocab"]["size"],
+        size=lookup(dpath="draft_vocab/size", within=config),
         datasets=DATASETS,
     script:
         "../scripts/draft_vocab.py"

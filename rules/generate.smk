@@ -1,27 +1,25 @@
-from eagle3data.gpu_slots import job_gpus
-
-
 rule generate:
     input:
-        prompts="results/prompts/{dataset}.parquet",
-        skipped="results/prompts/{dataset}.skipped.jsonl",
+        prompts=rules.prompts.output.prompts,
+        skipped=rules.prompts.output.skipped,
         model=model_config_file(),
     output:
-        responses="results/responses/{dataset}.jsonl",
-        stats="results/responses/{dataset}.stats.json",
-        errors="results/responses/{dataset}.errors.jsonl",
+        responses=layout.RESPONSES,
+        stats=layout.RESPONSE_STATS,
+        errors=layout.RESPONSE_ERRORS,
+        records=layout.RESPONSE_RECORDS,
     log:
         "logs/generate/{dataset}.log",
     conda:
-        "../envs/torch.yaml"
+        "../envs/generate.yaml"
     threads: workflow.cores
     resources:
         # GPUs this job takes (0 on CPU and for the openai backend); see gpu_slots.
         gpu=job_gpus(config, "generation"),
     params:
-        settings=generation_params,
-        token_budget=dataset_token_budget,
-        max_samples=dataset_max_samples,
-        work_dir=WORK_DIR,
+        # Budgets are separate: changing one reuses the journal (DESIGN: budget semantics).
+        settings=GENERATION_SETTINGS,
+        token_budget=lookup(dpath="datasets/{dataset}/token_budget", within=config),
+        max_samples=lookup(dpath="datasets/{dataset}/max_samples", within=config),
     script:
         "../scripts/generate.py"

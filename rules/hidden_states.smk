@@ -1,33 +1,31 @@
-from eagle3data.gpu_slots import job_gpus
-
-
 checkpoint plan_shards:
     input:
         unpack(plan_shards_input),
     output:
-        plan="results/hidden_states/{dataset}/plan.json",
+        plan=layout.SHARD_PLAN,
     log:
         "logs/plan_shards/{dataset}.log",
     conda:
         "../envs/torch.yaml"
     params:
-        settings=hidden_state_params,
-        spec_dir=f"{WORK_DIR}/shards/{{dataset}}",
+        settings=HIDDEN_STATE_SETTINGS,
+        spec_dir=layout.SHARD_SPEC_DIR,
     script:
         "../scripts/plan_shards.py"
 
 
 # A shard re-runs when its spec changes (plan_shards rewrites only changed specs), not
 # whenever the dataset's files do: raising a budget extracts only new or changed shards.
+# (Patterns, not rules.<rule>.output: ancient() flags the very object it is given.)
 rule hidden_states:
     input:
-        spec=f"{WORK_DIR}/shards/{{dataset}}/shard-{{shard}}.json",
-        plan=ancient("results/hidden_states/{dataset}/plan.json"),
-        tokenized=ancient("results/tokenized/{dataset}.parquet"),
-        tokenize_stats=ancient("results/tokenized/{dataset}.stats.json"),
+        spec=layout.SHARD_SPEC,
+        plan=ancient(layout.SHARD_PLAN),
+        tokenized=ancient(layout.TOKENIZED),
+        tokenize_stats=ancient(layout.TOKENIZE_STATS),
         model=model_config_file(),
     output:
-        shard="results/hidden_states/{dataset}/shard-{shard}.h5",
+        shard=layout.SHARD,
     log:
         "logs/hidden_states/{dataset}/shard-{shard}.log",
     conda:
@@ -37,7 +35,7 @@ rule hidden_states:
         # GPUs this job takes (0 on CPU); the job picks which by lock (gpu_slots).
         gpu=job_gpus(config, "hidden_states"),
     params:
-        settings=hidden_state_params,
+        settings=HIDDEN_STATE_SETTINGS,
     script:
         "../scripts/extract_hidden_states.py"
 
@@ -45,12 +43,12 @@ rule hidden_states:
 rule validate:
     input:
         shards=shard_files,
-        plan="results/hidden_states/{dataset}/plan.json",
-        responses="results/responses/{dataset}.jsonl",
-        tokenized="results/tokenized/{dataset}.parquet",
-        tokenize_stats="results/tokenized/{dataset}.stats.json",
+        plan=rules.plan_shards.output.plan,
+        responses=rules.generate.output.responses,
+        tokenized=rules.tokenize.output.tokenized,
+        tokenize_stats=rules.tokenize.output.stats,
     output:
-        manifest="results/hidden_states/{dataset}/manifest.json",
+        manifest=layout.MANIFEST,
     log:
         "logs/validate/{dataset}.log",
     conda:

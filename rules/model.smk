@@ -1,8 +1,8 @@
 rule demo_model:
     output:
-        config=f"{DEMO_MODEL_DIR}/config.json",
-        weights=f"{DEMO_MODEL_DIR}/model.safetensors",
-        tokenizer=f"{DEMO_MODEL_DIR}/tokenizer.json",
+        config=f"{layout.DEMO_MODEL}/config.json",
+        weights=f"{layout.DEMO_MODEL}/model.safetensors",
+        tokenizer=f"{layout.DEMO_MODEL}/tokenizer.json",
     log:
         "logs/demo_model.log",
     conda:

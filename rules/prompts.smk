@@ -2,15 +2,15 @@ rule prompts:
     input:
         source=dataset_source,
     output:
-        prompts="results/prompts/{dataset}.parquet",
-        skipped="results/prompts/{dataset}.skipped.jsonl",
+        prompts=layout.PROMPTS,
+        skipped=layout.SKIPPED_PROMPTS,
     log:
         "logs/prompts/{dataset}.log",
     conda:
         "../envs/data.yaml"
     params:
-        fmt=dataset_format,
-        on_invalid=dataset_on_invalid,
-        shuffle_seed=config["prompts"]["shuffle_seed"],
+        fmt=lookup(dpath="datasets/{dataset}/format", within=config),
+        on_invalid=lookup(dpath="datasets/{dataset}/on_invalid", within=config),
+        shuffle_seed=lookup(dpath="prompts/shuffle_seed", within=config),
     script:
         "../scripts/prepare_prompts.py"

@@ -5,44 +5,45 @@
 
 rule report:
     input:
-        responses=expand("results/responses/{dataset}.jsonl", dataset=DATASETS),
-        response_stats=expand("results/responses/{dataset}.stats.json", dataset=DATASETS),
-        tokenize_stats=expand("results/tokenized/{dataset}.stats.json", dataset=DATASETS),
-        plans=expand("results/hidden_states/{dataset}/plan.json", dataset=DATASETS),
-        manifests=expand("results/hidden_states/{dataset}/manifest.json", dataset=DATASETS),
+        responses=expand(rules.generate.output.responses, dataset=DATASETS),
+        response_stats=expand(rules.generate.output.stats, dataset=DATASETS),
+        records=expand(rules.generate.output.records, dataset=DATASETS),
+        tokenize_stats=expand(rules.tokenize.output.stats, dataset=DATASETS),
+        plans=expand(rules.plan_shards.output.plan, dataset=DATASETS),
+        manifests=expand(rules.validate.output.manifest, dataset=DATASETS),
     output:
         completion_lengths=report(
-            "results/report/completion_lengths.png",
+            layout.REPORT_FIGURE.format(figure="completion_lengths"),
             caption="../report/completion_lengths.rst",
             category="Generation",
             labels={"figure": "completion length per turn"},
         ),
         budget_use=report(
-            "results/report/budget_use.png",
+            layout.REPORT_FIGURE.format(figure="budget_use"),
             caption="../report/budget_use.rst",
             category="Generation",
             labels={"figure": "budget use"},
         ),
         truncation=report(
-            "results/report/truncation.png",
+            layout.REPORT_FIGURE.format(figure="truncation"),
             caption="../report/truncation.rst",
             category="Generation",
             labels={"figure": "truncation rate"},
         ),
         throughput=report(
-            "results/report/throughput.png",
+            layout.REPORT_FIGURE.format(figure="throughput"),
             caption="../report/throughput.rst",
             category="Generation",
             labels={"figure": "throughput over time"},
         ),
         shard_tokens=report(
-            "results/report/shard_tokens.png",
+            layout.REPORT_FIGURE.format(figure="shard_tokens"),
             caption="../report/shard_tokens.rst",
             category="Hidden states",
             labels={"figure": "tokens per shard"},
         ),
         summary=report(
-            "results/report/summary.html",
+            layout.REPORT_SUMMARY,
             caption="../report/summary.rst",
             category="Summary",
             labels={"figure": "tables and pictures, one page"},
@@ -53,6 +54,6 @@ rule report:
         "../envs/report.yaml"
     params:
         datasets=DATASETS,
-        shard_bytes=config["hidden_states"]["shard_bytes"],
+        shard_bytes=lookup(dpath="hidden_states/shard_bytes", within=config),
     script:
         "../scripts/report.py"

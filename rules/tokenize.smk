@@ -1,15 +1,15 @@
 rule tokenize:
     input:
-        responses="results/responses/{dataset}.jsonl",
+        responses=rules.generate.output.responses,
         model=model_config_file(),
     output:
-        tokenized="results/tokenized/{dataset}.parquet",
-        stats="results/tokenized/{dataset}.stats.json",
+        tokenized=layout.TOKENIZED,
+        stats=layout.TOKENIZE_STATS,
     log:
         "logs/tokenize/{dataset}.log",
     conda:
         "../envs/torch.yaml"
     params:
-        settings=tokenize_params,
+        settings=TOKENIZE_SETTINGS,
     script:
         "../scripts/tokenize.py"

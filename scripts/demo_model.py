@@ -5,10 +5,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
 
-from eagle3data.demo_model import convert_gguf, find_demo_gguf
-from eagle3data.steps import setup_logging
-from eagle3data.torch_utils import set_threads
+from eagle3data.demo_model import convert_demo_model
+from eagle3data.jobs import run_step
 
-setup_logging(snakemake.log[0])
-set_threads(snakemake.threads)
-convert_gguf(find_demo_gguf(), Path(snakemake.output.config).parent)
+run_step(
+    snakemake.log[0],
+    convert_demo_model,
+    out_dir=str(Path(snakemake.output.config).parent),
+    threads=snakemake.threads,
+)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
 
-from eagle3data.specforge import export_specforge
-from eagle3data.steps import run_step
+from eagle3data.consumers.specforge import export_specforge
+from eagle3data.jobs import run_step
 
 run_step(
     snakemake.log[0],

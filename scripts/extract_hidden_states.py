@@ -8,26 +8,30 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
 # Guarded: the sglang backend starts worker processes with the spawn method, which
 # re-imports this file in each of them.
 if __name__ == "__main__":
-    from eagle3data.gpu_slots import acquire_for_snakemake_job
-    from eagle3data.settings import model_name
-    from eagle3data.steps import extract_shard, run_step, setup_logging  # no torch yet
+    import json
 
-    setup_logging(snakemake.log[0])
-    # Before anything imports torch or sglang: CUDA reads CUDA_VISIBLE_DEVICES once.
-    gpu_lease = acquire_for_snakemake_job(snakemake)
+    from eagle3data.config import model_name
+    from eagle3data.gpu_slots import GpuRequest
+    from eagle3data.hidden_states.extraction import extract_shard  # imports no torch
+    from eagle3data.hidden_states.settings import execution_settings
+    from eagle3data.jobs import run_step
 
+    settings = json.loads(snakemake.params.settings)
     run_step(
         snakemake.log[0],
         extract_shard,
+        gpus=GpuRequest.of_job(snakemake),
         dataset=snakemake.wildcards.dataset,
         shard=int(snakemake.wildcards.shard),
         spec_path=snakemake.input.spec,
         tokenized_path=snakemake.input.tokenized,
         tokenize_stats_path=snakemake.input.tokenize_stats,
-        model_path=snakemake.config["model"]["path"],
+        model_path=str(Path(snakemake.input.model).parent),
+        # A provenance label and how to run (GPUs, SGLang's engine options): read from
+        # the config, not params, which are rerun triggers; neither changes the states.
         model_label=model_name(snakemake.config["model"]),
-        hidden_cfg=snakemake.config["hidden_states"],
-        model_dtype=snakemake.config["model"]["dtype"],
+        hidden_cfg={**settings["hidden_states"], **execution_settings(snakemake.config)},
+        model_dtype=settings["dtype"],
         out_shard=snakemake.output.shard,
         threads=snakemake.threads,
     )

@@ -5,7 +5,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
 
-from eagle3data.steps import prepare_prompts, run_step
+from eagle3data.jobs import run_step
+from eagle3data.prompts.stage import prepare_prompts
 
 run_step(
     snakemake.log[0],

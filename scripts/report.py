@@ -5,8 +5,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
 
-from eagle3data.report import FIGURES, build_report
-from eagle3data.steps import run_step
+from eagle3data.jobs import run_step
+from eagle3data.monitor.report import FIGURES, build_report
 
 run_step(
     snakemake.log[0],
@@ -14,6 +14,7 @@ run_step(
     datasets=list(snakemake.params.datasets),
     responses=list(snakemake.input.responses),
     response_stats=list(snakemake.input.response_stats),
+    records=list(snakemake.input.records),
     tokenize_stats=list(snakemake.input.tokenize_stats),
     plans=list(snakemake.input.plans),
     manifests=list(snakemake.input.manifests),

@@ -5,7 +5,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
 
-from eagle3data.steps import run_step, validate
+from eagle3data.hidden_states.validation import validate
+from eagle3data.jobs import run_step
 
 run_step(
     snakemake.log[0],

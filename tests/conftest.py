@@ -1,39 +1,27 @@
-"""Shared fixtures: a tiny random model and a throw-away copy of the workflow."""
+"""Session fixtures: a tiny random model, the real demo model, and workflow copies.
+
+Helpers that tests import live in ``tests/support/`` (on ``sys.path`` through
+pytest's ``pythonpath`` setting); the tests are grouped by kind: ``unit/`` (one module,
+in process), ``integration/`` (real models and engines), ``workflow/`` (the Snakemake
+workflow end to end), ``project/`` (linters, docs against the code), ``gpu/`` (run on a
+GPU machine only).
+"""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-
-REPO = Path(__file__).resolve().parent.parent
-WORKFLOW_SOURCES = (
-    "Snakefile",
-    "rules",
-    "scripts",
-    "envs",
-    "config/schema.yaml",
-    "profiles",
-    "report",
-    "src",
-)
+from support.workflow import Workflow, new_workflow
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 8-layer Llama in bfloat16 with a ChatML tokenizer, saved locally."""
     import torch
-    from tokenizers_fixtures import smollm2
+    from support.chat_tokenizers import smollm2
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tiny-llama")
@@ -67,181 +55,6 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
     convert_gguf(find_demo_gguf(), out)
     return out
-
-
-def write_prompts(path: Path, records: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return path
-
-
-def sharegpt_prompts(n: int) -> list[dict[str, Any]]:
-    """n ShareGPT records; every fifth is multi-turn, every seventh has a system prompt."""
-    records = []
-    for i in range(n):
-        turns = []
-        if i % 7 == 0:
-            turns.append({"from": "system", "value": f"You are assistant number {i}."})
-        turns.append({"from": "human", "value": f"Question {i}: what is {i} plus {i}?"})
-        if i % 5 == 0:
-            turns += [
-                {"from": "gpt", "value": f"It is {2 * i}."},
-                {"from": "human", "value": "Now say it in words."},
-            ]
-        records.append({"id": f"q{i:04d}", "conversations": turns})
-    return records
-
-
-def alpaca_prompts(n: int) -> list[dict[str, Any]]:
-    return [
-        {"instruction": f"Rewrite sentence {i} politely.", "input": "" if i % 2 else f"Do {i}!"}
-        for i in range(n)
-    ]
-
-
-class Workflow:
-    """A copy of the workflow in a temporary directory, driven like a user would."""
-
-    def __init__(self, root: Path, config: dict[str, Any]) -> None:
-        self.root = root
-        for name in WORKFLOW_SOURCES:
-            src = REPO / name
-            dst = root / name
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            if src.is_dir():
-                shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy2(src, dst)
-        self.config = config
-        self.env: dict[str, str] = {}  # extra environment for every snakemake run
-        self.write_config()
-
-    def write_config(self) -> None:
-        (self.root / "config" / "config.yaml").write_text(yaml.safe_dump(self.config))
-
-    def command(self, *args: str) -> list[str]:
-        # One thread per model job lets two jobs share the 2-core test machine.
-        threads = ("generate=1", "hidden_states=1", "demo_model=1")
-        return [sys.executable, "-m", "snakemake", "--cores", "2", *args, "--set-threads", *threads]
-
-    def run(
-        self, *args: str, check: bool = True, timeout: float = 600
-    ) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(
-            self.command(*args),
-            cwd=self.root,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=_env(self.env),
-        )
-        if check and proc.returncode != 0:
-            raise AssertionError(
-                f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                f"{proc.stderr[-8000:]}"
-            )
-        return proc
-
-    def start(self, *args: str) -> subprocess.Popen[str]:
-        """Start snakemake in its own process group (like a shell job or a batch job)."""
-        return subprocess.Popen(
-            self.command(*args),
-            cwd=self.root,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=_env(self.env),
-            start_new_session=True,
-        )
-
-    def kill_and_resume(self, target: str, sig: signal.Signals, after_records: int) -> list[str]:
-        """Start ``target``, kill the process group once the generation journal has
-        ``after_records`` lines, check nothing partial was declared, then re-run the
-        same command (after --unlock for SIGKILL, as README says). Returns the
-        journal lines present at the kill."""
-        dataset = Path(target).stem
-        proc = self.start(target)
-        deadline = time.monotonic() + 300
-        while len(self.journal_lines(dataset)) < after_records:
-            assert proc.poll() is None, "generation finished before it could be killed"
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        assert kill_group(proc, sig) != 0
-        assert not self.path(target).exists(), "no partial declared output"
-        partial = self.journal_lines(dataset)
-        if sig == signal.SIGKILL:
-            self.run("--unlock")
-        self.run(target)
-        return partial
-
-    def assert_resumed(self, dataset: str, partial: list[str], reference: Workflow) -> None:
-        """Journal kept and extended without duplicates; output equals ``reference``'s."""
-        journal = self.journal_lines(dataset)
-        ids = [json.loads(line)["id"] for line in journal]
-        assert len(ids) == len(set(ids)), "no response journaled twice"
-        assert journal[: len(partial)] == partial
-        assert self.stats(dataset)["records_resumed"] >= len(partial)
-        output = f"results/responses/{dataset}.jsonl"
-        assert self.path(output).read_bytes() == reference.path(output).read_bytes()
-
-    def plans_nothing(self, *targets: str) -> bool:
-        proc = self.run("-n", *targets)
-        return "Nothing to be done" in proc.stdout + proc.stderr
-
-    def path(self, relative: str) -> Path:
-        return self.root / relative
-
-    def responses(self, dataset: str) -> list[dict[str, Any]]:
-        text = self.path(f"results/responses/{dataset}.jsonl").read_text(encoding="utf-8")
-        return [json.loads(line) for line in text.splitlines()]
-
-    def stats(self, dataset: str) -> dict[str, Any]:
-        return json.loads(self.path(f"results/responses/{dataset}.stats.json").read_text())
-
-    def journal_lines(self, dataset: str) -> list[str]:
-        files = list(self.path(f"results/.work/generate/{dataset}").glob("*.jsonl"))
-        assert len(files) <= 1, files
-        return files[0].read_text(encoding="utf-8").splitlines() if files else []
-
-
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.update(extra)
-    return env
-
-
-def kill_group(proc: subprocess.Popen[str], sig: signal.Signals) -> int:
-    os.killpg(proc.pid, sig)
-    try:
-        return proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def new_workflow(
-    base: Path,
-    model_dir: Path,
-    datasets: dict[str, dict[str, Any]],
-    name: str = "wf",
-    **overrides: Any,
-) -> Workflow:
-    """A workflow copy under ``base`` using ``model_dir``, with small test settings."""
-    root = base / name
-    root.mkdir()
-    config: dict[str, Any] = {
-        "model": {"path": str(model_dir)},
-        "generation": {
-            "batch_size": 4,
-            "progress_interval_s": 0,
-            "sampling": {"temperature": 0.0, "max_tokens": 8},
-        },
-        "hidden_states": {"max_seq_len": 256, "shard_bytes": 160_000, "batch_tokens": 512},
-        "datasets": datasets,
-    }
-    for section, values in overrides.items():
-        config.setdefault(section, {}).update(values)
-    return Workflow(root, config)
 
 
 @pytest.fixture

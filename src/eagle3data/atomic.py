@@ -8,6 +8,7 @@ directory fsynced after it so the rename itself survives a power loss.
 A killed writer leaves its temporary behind; the temporary's name says which
 host and process wrote it, so the next writer of the same target removes the
 ones whose process is gone and never one that a live process is still writing.
+:func:`atomic_directory` does the same for a whole directory of files.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import socket
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -87,11 +89,16 @@ def remove_stale_temporaries(target: str | os.PathLike[str]) -> list[Path]:
     prefix = _temp_prefix(target)
     removed = []
     for tmp in target.parent.glob(f"{glob.escape(prefix)}*{TEMP_SUFFIX}"):
-        host, _, pid = tmp.name[len(prefix) :].split(".", 1)[0].rpartition("_")
-        if host == _HOST and pid.isdigit() and not _pid_alive(int(pid)):
+        if _writer_gone(tmp.name[len(prefix) :].split(".", 1)[0]):
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
+
+
+def _writer_gone(tag: str) -> bool:
+    """Whether the writer a ``<host>_<pid>`` tag names is a dead process of this host."""
+    host, _, pid = tag.rpartition("_")
+    return host == _HOST and pid.isdigit() and not _pid_alive(int(pid))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -132,3 +139,32 @@ def write_jsonl(path: str | os.PathLike[str], rows: Iterable[Any]) -> None:
 def dumps_line(obj: Any) -> str:
     """One JSON Lines record; compact and key-sorted so equal rows are equal bytes."""
     return json.dumps(obj, ensure_ascii=False, sort_keys=True, separators=(",", ":")) + "\n"
+
+
+@contextlib.contextmanager
+def atomic_directory(target: Path, work_dir: Path) -> Iterator[Path]:
+    """Yield an empty temporary directory that replaces ``target`` if the block succeeds.
+
+    The temporary lives in ``work_dir`` (same filesystem as ``target``, so the rename
+    is atomic) and is named after its writer, so a later run removes what a killed
+    one left without touching a live writer's.
+    """
+    work_dir.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f"{target.name}."
+    for stale in work_dir.glob(f"{glob.escape(prefix)}*{TEMP_SUFFIX}"):
+        if _writer_gone(stale.name[len(prefix) : -len(TEMP_SUFFIX)]):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = work_dir / f"{prefix}{_WRITER_TAG}{TEMP_SUFFIX}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for sub in [tmp, *(p for p in tmp.iterdir() if p.is_dir())]:
+            fsync_dir(sub)
+        if target.exists():  # Snakemake removes old outputs first; a manual call may not
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

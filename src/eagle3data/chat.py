@@ -41,6 +41,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .errors import ChatTemplateError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -82,10 +84,6 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 # Runtime state that transformers toggles on the backend between calls; not part of
 # what the tokenizer *is*, so it must not change its hash.
 _VOLATILE_BACKEND_KEYS = ("truncation", "padding")
-
-
-class ChatTemplateError(ValueError):
-    """A conversation cannot be rendered, or its assistant spans cannot be derived."""
 
 
 @dataclass(frozen=True)

@@ -58,3 +58,11 @@ def convert_gguf(gguf: Path, out_dir: Path, *, dtype: str = "bfloat16") -> None:
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     fsync_dir(out_dir.parent)
+
+
+def convert_demo_model(*, out_dir: str, threads: int | None = None) -> None:
+    """The demo_model stage: the wheel's GGUF as a model directory at ``out_dir``."""
+    from .torch_utils import set_threads
+
+    set_threads(threads)
+    convert_gguf(find_demo_gguf(), Path(out_dir))

@@ -28,21 +28,16 @@ import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Self
+
+from .errors import GpuSlotError, GpuSlotTimeout
+from .layout import GPU_LOCKS
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LOCK_DIR = "results/.work/gpu-locks"
+DEFAULT_LOCK_DIR = GPU_LOCKS
 LOCK_DIR_ENV = "EAGLE3DATA_GPU_LOCK_DIR"
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
-
-
-class GpuSlotError(RuntimeError):
-    """A job cannot get the GPUs it needs; the message says why."""
-
-
-class GpuSlotTimeout(GpuSlotError):
-    """All GPUs stayed taken for longer than the timeout."""
 
 
 @dataclass
@@ -265,19 +260,25 @@ def _holders(directory: Path, candidates: Sequence[str]) -> str:
     return ", ".join(parts)
 
 
-def acquire_for_snakemake_job(snakemake: Any) -> GpuLease | None:
-    """Take the GPUs of a Snakemake script job: ``resources.gpu`` of them, machine
-    size and timeout from the ``gpus`` config section."""
-    count = int(getattr(snakemake.resources, "gpu", 0) or 0)
-    settings = snakemake.config.get("gpus", {}) or {}
-    total = settings.get("count", "auto")
-    try:
-        return acquire_gpus(
-            count,
-            total=None if total == "auto" else int(total),
+@dataclass(frozen=True)
+class GpuRequest:
+    """The GPUs one job needs, and how long it may wait for them."""
+
+    count: int
+    machine_gpus: int | None = None  # None: detect (nvidia-smi -L)
+    timeout_s: float = 600.0
+
+    @classmethod
+    def of_job(cls, snakemake: Any) -> Self:
+        """A Snakemake script job's request: ``resources.gpu`` GPUs; machine size and
+        timeout from the ``gpus`` config section (how to run, so not a rule param)."""
+        settings = snakemake.config.get("gpus", {}) or {}
+        total = settings.get("count", "auto")
+        return cls(
+            count=int(getattr(snakemake.resources, "gpu", 0) or 0),
+            machine_gpus=None if total == "auto" else int(total),
             timeout_s=float(settings.get("lock_timeout_s", 600)),
         )
-    except GpuSlotError as exc:
-        # One clear line in the job's log, like the other user-facing errors.
-        log.error("%s", exc)
-        raise SystemExit(1) from None
+
+    def acquire(self) -> GpuLease | None:
+        return acquire_gpus(self.count, total=self.machine_gpus, timeout_s=self.timeout_s)

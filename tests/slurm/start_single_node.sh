@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start a single-node SLURM cluster on this host for tests/test_slurm_cluster.py.
+# Start a single-node SLURM cluster on this host for tests/workflow/test_slurm_cluster.py.
 #
 #   sudo tests/slurm/start_single_node.sh          # install (first time), configure, start
 #   sudo tests/slurm/start_single_node.sh --stop   # stop the daemons again

@@ -1,0 +1,112 @@
+"""Export validated shards as SpecForge offline EAGLE-3 feature files.
+
+SpecForge (sgl-project/SpecForge) trains offline from one ``torch.save`` file per
+conversation, written by its ``scripts/prepare_hidden_states.py``:
+
+    {out}/rows_{g}-{g + 2000}/data_{i}.ckpt     g = 2000 * (i // 2000)
+
+    input_ids         [L]        int64
+    loss_mask         [L]        int64 (0/1)
+    hidden_state      [1, L, H]  model dtype   final layer after the final norm
+    aux_hidden_state  [1, L, 3H] model dtype   the three aux layers, concatenated
+
+(storage contract ``specforge_hidden_states_v1`` in
+``specforge/algorithms/eagle3/providers.py``; file naming in
+``prepare_hidden_states.py::_get_file_path``). Its reader
+(``specforge/runtime/data_plane/offline_reader.py``) walks the directory for
+``.ckpt``/``.ckpt.gz`` files in sorted order and loads each with
+``torch.load(path, weights_only=False, mmap=True)``; training then uses
+``aux_hidden_state`` as the draft input and ``hidden_state`` as the target (projected
+by the target's lm_head). Unlike SpecForge's own capture, no padding is stored: L is
+the conversation's length.
+
+``index.json`` (ignored by SpecForge's reader: not a ``.ckpt``) maps every file to its
+conversation id and records the shards' provenance attributes.
+
+The directory is written under ``results/.work/`` and renamed into place when
+complete, so ``results/specforge/{dataset}/`` exists only whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..atomic import atomic_directory
+from ..loader import HiddenStateDataset
+
+__all__ = ["FILE_GROUP_SIZE", "export_specforge", "specforge_file_name", "specforge_record"]
+
+log = logging.getLogger(__name__)
+
+# SpecForge's default --file-group-size: files per rows_* subdirectory.
+FILE_GROUP_SIZE = 2000
+STORAGE_FORMAT = "specforge_hidden_states_v1"
+INDEX = "index.json"
+
+
+def specforge_file_name(index: int, group_size: int = FILE_GROUP_SIZE) -> str:
+    """Path of conversation ``index`` relative to the export directory, as SpecForge names it."""
+    group = (index // group_size) * group_size
+    return f"rows_{group}-{group + group_size}/data_{index}.ckpt"
+
+
+def specforge_record(item: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One loader item in SpecForge's key names, shapes and dtypes."""
+    return {
+        "input_ids": item["input_ids"].to(torch.int64),
+        "loss_mask": item["loss_mask"].to(torch.int64),
+        # Fresh storages: torch.save writes a view's whole storage, not just the view.
+        "hidden_state": item["last_hidden_states"].unsqueeze(0).clone(),
+        "aux_hidden_state": item["aux_hidden_states"].unsqueeze(0).clone(),
+    }
+
+
+def export_specforge(
+    *,
+    dataset: str,
+    shard_dir: str,
+    out_dir: str,
+    work_dir: str,
+    group_size: int = FILE_GROUP_SIZE,
+) -> None:
+    """Write every conversation of ``shard_dir`` (validated shards) as SpecForge files."""
+    data = HiddenStateDataset(shard_dir)
+    manifest = json.loads((Path(shard_dir) / "manifest.json").read_text(encoding="utf-8"))
+    samples = []
+    tokens = 0
+    with atomic_directory(Path(out_dir), Path(work_dir)) as tmp:
+        for i in range(len(data)):
+            item = data[i]
+            name = specforge_file_name(i, group_size)
+            path = tmp / name
+            path.parent.mkdir(exist_ok=True)
+            with open(path, "wb") as fh:
+                torch.save(specforge_record(item), fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            samples.append({"file": name, "id": item["id"], "tokens": len(item["input_ids"])})
+            tokens += len(item["input_ids"])
+        data.close()
+        index = {
+            "format": STORAGE_FORMAT,
+            "dataset": dataset,
+            "num_samples": len(samples),
+            "num_tokens": tokens,
+            "file_group_size": group_size,
+            "keys": {
+                "input_ids": "[L] int64",
+                "loss_mask": "[L] int64",
+                "hidden_state": "[1, L, H] final layer after the final norm",
+                "aux_hidden_state": "[1, L, 3H] aux layers (see attrs.aux_layer_ids)",
+            },
+            "attrs": manifest.get("attrs", {}),
+            "samples": samples,
+        }
+        (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
+    log.info("%s: %d conversations, %d tokens -> %s", dataset, len(samples), tokens, out_dir)

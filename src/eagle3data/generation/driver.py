@@ -1,0 +1,508 @@
+"""The generation driver: order, budget, sidecar, resume, progress, accounting.
+
+It knows no engine. Finished prompts are appended to a sidecar journal
+(``results/.work/...``) as they complete; the declared output is assembled from
+the journal, atomically, only once the budget prefix is decided. A killed job
+therefore loses at most the batch in flight, and a re-run counts every token
+already in the journal against the budget.
+
+In-process engines get batches whose composition depends only on the
+journal's content, never on timing, so an interrupted and resumed run makes the
+same batches as an uninterrupted one and (greedy decoding) writes byte-identical
+output. HTTP engines get single conversations as capacity frees up; which ones
+are in flight depends on timing, but the output does not: it is the prefix
+selected from the journal, and each conversation's answer depends only on the
+conversation (for a deterministic server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import signal
+import time
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..atomic import write_jsonl
+from ..errors import GenerationAborted
+from .budget import Outcome, Selection, plan_dispatch, select_prefix
+from .engines import AsyncEngine, Completion, Engine, TransientError, TurnFailure
+from .journal import JournalWriter, read_journal
+from .records import (
+    JournalRecord,
+    Turn,
+    counted_tokens,
+    failed_record,
+    is_failed,
+    ok_record,
+    spent_tokens,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    prompt_hash: str
+    messages: list[dict[str, str]]
+
+
+@dataclass
+class GenerationJob:
+    dataset: str
+    prompts: Sequence[Prompt]  # in the seeded order
+    journal: Path
+    model: str
+    sampling: Mapping[str, Any]
+    seed: int = 0
+    token_budget: int | None = None
+    max_samples: int | None = None
+    batch_size: int = 8
+    progress_interval_s: float = 10.0
+
+
+@dataclass
+class GenerationResult:
+    rows: list[dict[str, Any]]
+    stats: dict[str, Any]
+    selection: Selection
+    generated_now: int = 0  # prompts sent to the engine by this run
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    # Every record of the current prompts, in journal order (used by the output or not).
+    records: list[JournalRecord] = field(default_factory=list)
+
+
+def _outcome(record: Mapping[str, Any]) -> Outcome:
+    return Outcome(counted_tokens(record), failed=is_failed(record))
+
+
+def load_records(job: GenerationJob) -> dict[str, JournalRecord]:
+    """Journal records of the current prompts (same id and same prompt text)."""
+    wanted = {p.id: p.prompt_hash for p in job.prompts}
+    records: dict[str, JournalRecord] = {}
+    for rec in read_journal(job.journal):
+        pid = rec.get("id")
+        if wanted.get(pid) == rec.get("prompt_hash") and pid not in records:
+            records[pid] = rec
+    return records
+
+
+def _batch_seed(seed: int, first_id: str, turn: int) -> int:
+    digest = hashlib.sha256(f"{seed}\x00{first_id}\x00{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+class Conversation:
+    """One prompt being regenerated: source assistant turns are dropped and,
+    after each user turn, the engine answers on the regenerated history."""
+
+    def __init__(self, prompt: Prompt) -> None:
+        self.prompt = prompt
+        system = [dict(m) for m in prompt.messages[:1] if m["role"] == "system"]
+        self.history: list[dict[str, str]] = system
+        self.user_turns = [dict(m) for m in prompt.messages if m["role"] == "user"]
+        self.turns: list[Turn] = []
+        self.failure: str | None = None
+
+    def next_request(self) -> list[dict[str, str]] | None:
+        """The history ending with the next user turn, or None when finished."""
+        k = len(self.turns)
+        if self.failure is not None or k >= len(self.user_turns):
+            return None
+        if len(self.history) == 0 or self.history[-1]["role"] != "user":
+            self.history.append(self.user_turns[k])
+        return self.history
+
+    def add(self, result: Completion | TurnFailure) -> None:
+        if isinstance(result, TurnFailure):
+            self.failure = f"turn {len(self.turns) + 1}: {result.reason}"
+            return
+        message: dict[str, str] = {"role": "assistant", "content": result.content}
+        if result.reasoning_content:
+            message["reasoning_content"] = result.reasoning_content
+        self.history.append(message)
+        turn: Turn = {
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+        }
+        if result.usage_source == "tokenizer":
+            turn["usage_source"] = "tokenizer"  # the server reported no usage
+        self.turns.append(turn)
+
+    def record(self) -> JournalRecord:
+        p = self.prompt
+        if self.failure is not None:
+            spent = sum(t["completion_tokens"] for t in self.turns)
+            return failed_record(p.id, p.prompt_hash, self.failure, spent)
+        return ok_record(p.id, p.prompt_hash, self.history, self.turns)
+
+
+def regenerate(engine: Engine, prompts: Sequence[Prompt], seed: int) -> list[JournalRecord]:
+    """Regenerate a batch with an in-process engine, one round per turn index.
+
+    A conversation fails as a whole if one of its turns fails.
+    """
+    convs = [Conversation(p) for p in prompts]
+    turn = 0
+    while True:
+        active = [c for c in convs if c.next_request() is not None]
+        if not active:
+            break
+        requests = [c.next_request() or [] for c in active]
+        results = engine.complete(requests, seed=_batch_seed(seed, prompts[0].id, turn))
+        for conv, res in zip(active, results, strict=True):
+            conv.add(res)
+        turn += 1
+    return [c.record() for c in convs]
+
+
+class _Progress:
+    """Throttled progress lines for the job log."""
+
+    def __init__(self, job: GenerationJob, total: int) -> None:
+        self.job = job
+        self.total = total
+        self.start = time.monotonic()
+        self.last = 0.0
+        self.generated = 0
+        self.tokens = 0  # completion tokens generated by this run
+        self.in_flight = 0
+        self.transient_errors = 0
+        self.cancelled = 0
+        self.last_line = ""
+
+    def update(
+        self, sel: Selection, records: Mapping[str, JournalRecord], force: bool = False
+    ) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.job.progress_interval_s:
+            return
+        self.last = now
+        ok = [r for r in records.values() if r["status"] == "ok"]
+        avg = sum(r["usage"]["completion_tokens"] for r in ok) / len(ok) if ok else 0.0
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.generated / elapsed
+        done = len(sel.selected)
+        expected_total = self.total
+        if self.job.token_budget is not None and avg > 0:
+            left = max(self.job.token_budget - sel.tokens, 0)
+            expected_total = min(expected_total, done + int(left / avg))
+        remaining = max(expected_total - done, 0)
+        eta = f"{remaining / rate:.0f}s" if rate > 0 else "?"
+        cap = self.job.token_budget
+        if cap is None:
+            budget = f"{sel.tokens}/unlimited"
+        else:
+            budget = f"{sel.tokens}/{cap} ({100 * sel.tokens / max(cap, 1):.0f}%)"
+        generated = sum(spent_tokens(r) for r in records.values())
+        line = (
+            f"{self.job.dataset}: {done}/{expected_total} "
+            f"({len(sel.failed)} err, {self.transient_errors} retried) "
+            f"{rate:.2f} req/s {self.tokens / elapsed:.0f} tok/s avg_comp={avg:.0f}tok "
+            f"budget={budget} inflight={self.in_flight} waste={generated - sel.tokens}tok "
+            f"ETA={eta}"
+        )
+        if line != self.last_line:  # the final forced update often repeats the last one
+            log.info("%s", line)
+            self.last_line = line
+
+
+@dataclass(frozen=True)
+class ErrorLimits:
+    """When a run stops instead of burning through a dataset on a broken server."""
+
+    max_consecutive_failures: int = 20
+    max_error_rate: float = 0.5
+    min_attempts: int = 20  # attempts before the rate is judged
+
+
+class _FailureTracker:
+    """Consecutive and total failures of a streaming run, judged against ErrorLimits."""
+
+    def __init__(self, dataset: str, limits: ErrorLimits) -> None:
+        self.dataset = dataset
+        self.limits = limits
+        self.attempts = self.errors = self.consecutive = 0
+
+    def record(self, *, failed: bool) -> None:
+        self.attempts += 1
+        self.errors += failed
+        self.consecutive = self.consecutive + 1 if failed else 0
+
+    def check(self) -> None:
+        """Raise GenerationAborted once a limit is exceeded."""
+        limits = self.limits
+        if self.consecutive >= limits.max_consecutive_failures:
+            raise GenerationAborted(
+                f"{self.dataset}: {self.consecutive} consecutive failures; stopping "
+                "(the server looks broken; finished responses are kept, re-run to resume)"
+            )
+        if self.attempts >= limits.min_attempts and (
+            self.errors / self.attempts > limits.max_error_rate
+        ):
+            raise GenerationAborted(
+                f"{self.dataset}: {self.errors} of {self.attempts} attempts failed "
+                f"(> {limits.max_error_rate:.0%}); stopping (finished responses are kept)"
+            )
+
+
+class _Run:
+    """State shared by the two dispatch loops: journal, outcomes, selection."""
+
+    def __init__(self, job: GenerationJob, journal: JournalWriter) -> None:
+        self.job = job
+        self.journal = journal
+        self.order = [p.id for p in job.prompts]
+        self.by_id = {p.id: p for p in job.prompts}
+        self.limits = {"token_budget": job.token_budget, "max_samples": job.max_samples}
+        self.records = load_records(job)
+        self.resumed = len(self.records)
+        self.outcomes = {pid: _outcome(r) for pid, r in self.records.items()}
+        total = (
+            len(self.order) if job.max_samples is None else min(len(self.order), job.max_samples)
+        )
+        self.progress = _Progress(job, total)
+        self.generated_now = 0
+        ok = [o.completion_tokens for o in self.outcomes.values() if not o.failed]
+        self.ok_count, self.ok_tokens = len(ok), sum(ok)
+        self.sel = select_prefix(self.order, self.outcomes, **self.limits)
+
+    def expected_tokens(self, capacity: int) -> float:
+        """Running mean completion length; before anything is known, a prior that
+        lets the first dispatch fill the engine: max_tokens would send a single
+        request when max_tokens is large, leaving the engine idle for a whole
+        request. Overshooting only costs waste: the budget is enforced at selection."""
+        if self.ok_count:
+            return self.ok_tokens / self.ok_count
+        prior = float(self.job.sampling["max_tokens"])
+        if self.job.token_budget is not None:
+            prior = min(prior, max(self.job.token_budget / capacity, 1.0))
+        return prior
+
+    def plan(self, limit: int, in_flight: Collection[int] = ()) -> list[int]:
+        return plan_dispatch(
+            self.order,
+            self.outcomes,
+            self.sel,
+            expected_tokens=self.expected_tokens(limit + len(in_flight)),
+            limit=limit,
+            in_flight=in_flight,
+            **self.limits,
+        )
+
+    def commit(self, new: list[JournalRecord]) -> None:
+        # When a record was journaled: the status command's rate and ETA. Never copied
+        # into the responses, which stay a function of the engine's outputs alone.
+        finished_at = round(time.time(), 3)
+        for rec in new:
+            rec["finished_at"] = finished_at
+        self.journal.append_many(new)
+        for rec in new:
+            outcome = _outcome(rec)
+            self.records[rec["id"]] = rec
+            self.outcomes[rec["id"]] = outcome
+            if not outcome.failed:
+                self.ok_count += 1
+                self.ok_tokens += outcome.completion_tokens
+            self.progress.tokens += rec.get("usage", {}).get("completion_tokens", 0)
+        self.generated_now += len(new)
+        self.progress.generated = self.generated_now
+        self.sel = select_prefix(self.order, self.outcomes, **self.limits, resume_from=self.sel)
+        self.progress.update(self.sel, self.records)
+
+
+def run_generation(
+    job: GenerationJob,
+    engine_factory: Any,
+    *,
+    streaming: bool = False,
+    error_limits: ErrorLimits | None = None,
+) -> GenerationResult:
+    """Generate until the budget prefix is decided; return the final rows and stats.
+
+    ``engine_factory`` is called only if something remains to be generated, so a
+    re-run over a finished journal (e.g. a lowered budget) never loads a model.
+    With ``streaming`` it must return an :class:`AsyncEngine` (HTTP): requests
+    are kept in flight up to its capacity and each finished conversation is
+    journaled at once; otherwise an in-process :class:`Engine` gets batches.
+    """
+    # Lock before reading: another writer finishing between our read and our
+    # first append would otherwise make us regenerate what it just wrote.
+    with JournalWriter(job.journal) as journal:
+        if journal.repaired_bytes:
+            log.warning(
+                "%s: dropped a torn last record (%d bytes) from %s",
+                job.dataset,
+                journal.repaired_bytes,
+                job.journal,
+            )
+        run = _Run(job, journal)
+        log.info(
+            "%s: %d prompts, %d finished records in %s%s",
+            job.dataset,
+            len(run.order),
+            run.resumed,
+            job.journal,
+            " (resuming)" if run.resumed else "",
+        )
+        if not run.sel.complete:
+            if streaming:
+                asyncio.run(_stream(run, engine_factory, error_limits or ErrorLimits()))
+            else:
+                _batched(run, engine_factory)
+    run.progress.update(run.sel, run.records, force=True)
+    return _assemble(job, run.order, run.records, run.sel, run.resumed, run.generated_now)
+
+
+def _batched(run: _Run, engine_factory: Any) -> None:
+    """In-process engines: deterministic batches, each journaled as a whole."""
+    engine: Engine = engine_factory()
+    while not run.sel.complete:
+        batch = run.plan(run.job.batch_size)
+        new = regenerate(engine, [run.by_id[run.order[pos]] for pos in batch], run.job.seed)
+        run.commit(new)
+
+
+async def _converse(engine: AsyncEngine, prompt: Prompt) -> JournalRecord:
+    conv = Conversation(prompt)
+    while (request := conv.next_request()) is not None:
+        conv.add(await engine.complete(request))
+    return conv.record()
+
+
+async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
+    """HTTP engines: keep ``capacity`` conversations in flight, journal each one
+    as it finishes, and cancel what can no longer enter the prefix."""
+    engine: AsyncEngine = engine_factory()
+    stop = asyncio.Event()
+    stop_reason: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def request_stop(sig: signal.Signals) -> None:
+        stop_reason.append(sig.name)
+        stop.set()
+
+    handled = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, request_stop, sig)
+            handled.append(sig)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    in_flight: dict[asyncio.Task[JournalRecord], int] = {}
+    failures = _FailureTracker(run.job.dataset, limits)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await engine.start()
+        while not run.sel.complete and not stop.is_set():
+            free = engine.capacity - len(in_flight)
+            if free > 0:
+                busy = set(in_flight.values())
+                for pos in run.plan(free, busy):
+                    task = asyncio.ensure_future(_converse(engine, run.by_id[run.order[pos]]))
+                    in_flight[task] = pos
+            run.progress.in_flight = len(in_flight)
+            if not in_flight:
+                raise AssertionError("nothing in flight for an undecided prefix")  # unreachable
+            done, _ = await asyncio.wait([*in_flight, stopper], return_when=asyncio.FIRST_COMPLETED)
+            finished = []
+            for task in done:
+                if task is stopper:
+                    continue
+                pos = in_flight.pop(task)
+                try:
+                    record = task.result()
+                except TransientError as exc:
+                    failures.record(failed=True)
+                    run.progress.transient_errors += 1
+                    log.warning("%s: %s (will retry later)", run.order[pos], exc)
+                    continue
+                finished.append(record)
+                failures.record(failed=is_failed(record))
+                if record["status"] == "failed":
+                    log.warning("%s: failed: %s", record["id"], record["error"])
+            if finished:
+                run.commit(finished)
+            failures.check()
+        if stop.is_set():
+            raise GenerationAborted(
+                f"{run.job.dataset}: stopped by {stop_reason[0]}; {run.generated_now} responses "
+                "finished in this run are kept, re-run to resume"
+            )
+    finally:
+        # Closing the connections aborts these requests in SGLang and vLLM.
+        for task in in_flight:
+            task.cancel()
+        stopper.cancel()
+        await asyncio.gather(*in_flight, stopper, return_exceptions=True)
+        if in_flight:
+            run.progress.cancelled += len(in_flight)
+            log.info("%s: cancelled %d requests in flight", run.job.dataset, len(in_flight))
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        await engine.close()
+
+
+def _assemble(
+    job: GenerationJob,
+    order: list[str],
+    records: Mapping[str, JournalRecord],
+    sel: Selection,
+    resumed: int,
+    generated_now: int,
+) -> GenerationResult:
+    sampling = {**job.sampling, "seed": job.seed}
+    rows = []
+    for pos in sel.selected:
+        rec = records[order[pos]]
+        rows.append(
+            {
+                "id": rec["id"],
+                "dataset": job.dataset,
+                "index": pos,
+                "messages": rec["messages"],
+                "finish_reason": rec["finish_reason"],
+                "usage": rec["usage"],
+                "turns": rec["turns"],
+                "model": job.model,
+                "sampling": sampling,
+            }
+        )
+    failures = [
+        {"id": order[pos], "index": pos, "error": records[order[pos]]["error"]}
+        for pos in sel.failed
+    ]
+    generated_tokens = sum(spent_tokens(r) for r in records.values())
+    truncated = sum(1 for r in rows if any(t["finish_reason"] == "length" for t in r["turns"]))
+    stats = {
+        "dataset": job.dataset,
+        "prompts": len(order),
+        "in_output": len(rows),
+        "failed": len(failures),
+        "beyond_limits": len(order) - sel.frontier,
+        "stop_reason": sel.stop_reason,
+        "token_budget": job.token_budget,
+        "max_samples": job.max_samples,
+        "completion_tokens": sel.tokens,
+        "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in rows),
+        "truncated": truncated,
+        "generated_tokens_total": generated_tokens,
+        "waste_tokens": generated_tokens - sel.tokens,
+        "records_resumed": resumed,
+        "records_generated_now": generated_now,
+        "sidecar": str(job.journal),
+        "failures": failures,
+    }
+    # The accounting invariant: every prompt is in exactly one bucket.
+    assert stats["in_output"] + stats["failed"] + stats["beyond_limits"] == stats["prompts"]
+    return GenerationResult(rows, stats, sel, generated_now, failures, list(records.values()))
+
+
+def write_outputs(result: GenerationResult, responses: Path) -> None:
+    write_jsonl(responses, result.rows)

@@ -1,0 +1,152 @@
+"""Engines turn conversations into their next assistant turn; nothing more.
+
+Order, budget, journals, resume and progress live in :mod:`..driver`, written once for
+every engine. :func:`build_engine` makes the engine ``generation.backend`` names:
+
+* ``transformers`` (:mod:`.transformers_engine`): in-process, batched, CPU or one GPU;
+* ``openai`` (:mod:`.openai_engine`): any OpenAI-compatible server, many requests in
+  flight (streaming dispatch).
+
+Nothing heavy is imported until an engine is built.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ...errors import EngineUnavailable
+
+BACKENDS = ("transformers", "openai")
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Completion:
+    content: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_content: str | None = None
+    usage_source: str = "engine"  # "tokenizer" when a server reported no usage
+
+
+class TransientError(Exception):
+    """A request failed in a way worth retrying later (connection, timeout, 5xx):
+    the prompt is not recorded and will be dispatched again."""
+
+
+@dataclass(frozen=True)
+class TurnFailure:
+    """A permanent failure of one request (recorded; the prompt is skipped)."""
+
+    reason: str
+
+
+class Engine(Protocol):
+    """In-process engines batch internally: many conversations per call."""
+
+    def complete(
+        self, conversations: Sequence[Sequence[Message]], *, seed: int
+    ) -> list[Completion | TurnFailure]:
+        """Next assistant turn for each conversation, in the same order."""
+        ...
+
+
+class AsyncEngine(Protocol):
+    """HTTP engines keep many single requests in flight."""
+
+    @property
+    def capacity(self) -> int:
+        """How many requests it wants in flight at once."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def complete(self, messages: Sequence[Message]) -> Completion | TurnFailure:
+        """Next assistant turn; raises TransientError when worth retrying later."""
+        ...
+
+
+def is_streaming(backend: str) -> bool:
+    """Whether the backend's engine is an :class:`AsyncEngine` (kept full of requests)."""
+    return backend == "openai"
+
+
+def build_engine(
+    settings: Mapping[str, Any], execution: Mapping[str, Any], *, threads: int | None = None
+) -> Engine | AsyncEngine:
+    """The engine of ``settings["backend"]``.
+
+    ``settings`` is what changes the output (:func:`..settings.generation_settings`, the
+    rule's params); ``execution`` says how to run (device, endpoints, concurrency, ...).
+    """
+    backend = settings["backend"]
+    if backend == "transformers":
+        return _transformers_engine(settings, execution, threads)
+    if backend == "openai":
+        return _openai_engine(settings, execution)
+    raise ValueError(f"generation.backend must be one of {list(BACKENDS)}, got {backend!r}")
+
+
+def _transformers_engine(
+    settings: Mapping[str, Any], execution: Mapping[str, Any], threads: int | None
+) -> Engine:
+    from ...torch_utils import set_threads
+    from .transformers_engine import TransformersEngine
+
+    set_threads(threads)
+    return TransformersEngine(
+        settings["model_path"],
+        sampling=settings["sampling"],
+        chat_template_kwargs=settings["chat_template_kwargs"],
+        dtype=settings["dtype"],
+        device=execution["device"],
+    )
+
+
+def _openai_engine(settings: Mapping[str, Any], execution: Mapping[str, Any]) -> AsyncEngine:
+    from .openai_engine import HttpSettings, OpenAIEngine
+
+    api_key = None
+    if execution["api_key_env"]:
+        api_key = os.environ.get(execution["api_key_env"])
+        if not api_key:
+            raise EngineUnavailable(
+                f"generation.api_key_env names {execution['api_key_env']!r}, which is not set"
+            )
+    http = HttpSettings(
+        endpoints=execution["endpoints"],
+        model=settings["served_model"],
+        concurrency=execution["concurrency"],
+        api_key=api_key,
+        request_timeout_s=execution["request_timeout_s"],
+        max_retries=execution["max_retries"],
+        extra_body=settings["extra_body"],
+    )
+    return OpenAIEngine(
+        http,
+        sampling=settings["sampling"],
+        seed=settings["seed"],
+        chat_template_kwargs=settings["chat_template_kwargs"],
+        count_tokens=_lazy_token_counter(settings["model_path"]),
+    )
+
+
+def _lazy_token_counter(model_path: str) -> Callable[[str], int]:
+    """Counts with the model's tokenizer, loaded only if a server omits usage."""
+    tokenizer: list[Any] = []
+
+    def count(text: str) -> int:
+        if not tokenizer:
+            from transformers import AutoTokenizer
+
+            tokenizer.append(AutoTokenizer.from_pretrained(model_path, local_files_only=True))
+        return len(tokenizer[0](text, add_special_tokens=False)["input_ids"])
+
+    return count

@@ -1,0 +1,330 @@
+"""Generation against OpenAI-compatible servers (SGLang, vLLM, llama.cpp).
+
+One long-lived ``aiohttp`` session serves every request: aiohttp keeps
+hundreds of concurrent connections cheaply in one event loop (httpx's pool is
+notably slower at that scale, and the openai SDK would add a client object and
+its own retry policy per call). Requests are spread over the endpoints by
+fewest-in-flight; an endpoint that keeps failing is paused and retried later.
+
+Failures are classified, because they mean different things for the data:
+
+* permanent (4xx other than 408/429, e.g. context too long): the prompt is
+  recorded as failed with the server's message and skipped in the prefix;
+* transient (connection errors, timeouts, 408/429/5xx, unreadable bodies):
+  retried with exponential backoff and jitter; if still failing, the prompt is
+  left for a later dispatch and counts towards the run's error limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from ...errors import EngineUnavailable
+from . import Completion, Message, TransientError, TurnFailure
+
+log = logging.getLogger(__name__)
+
+_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    endpoints: Sequence[str]
+    model: str
+    concurrency: int = 64  # requests in flight per endpoint
+    api_key: str | None = None
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
+    max_retries: int = 4
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 60.0
+    endpoint_max_failures: int = 5  # consecutive failures before an endpoint is paused
+    endpoint_pause_s: float = 30.0
+    health_check_timeout_s: float = 10.0
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Endpoint:
+    url: str
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    paused_until: float = 0.0
+
+
+class EndpointPool:
+    """Fewest-in-flight choice among endpoints that are not paused."""
+
+    def __init__(self, urls: Sequence[str], concurrency: int, max_failures: int, pause_s: float):
+        self.endpoints = [_Endpoint(u.rstrip("/")) for u in urls]
+        self.concurrency = concurrency
+        self.max_failures = max_failures
+        self.pause_s = pause_s
+        self._changed = asyncio.Condition()
+
+    @property
+    def capacity(self) -> int:
+        return self.concurrency * len(self.endpoints)
+
+    def _available(self) -> list[_Endpoint]:
+        now = time.monotonic()
+        return [
+            e for e in self.endpoints if e.paused_until <= now and e.in_flight < self.concurrency
+        ]
+
+    async def acquire(self) -> _Endpoint:
+        async with self._changed:
+            while True:
+                free = self._available()
+                if free:
+                    chosen = min(free, key=lambda e: e.in_flight)
+                    chosen.in_flight += 1
+                    return chosen
+                # Wake on a release, or when the earliest pause ends.
+                now = time.monotonic()
+                pauses = [e.paused_until - now for e in self.endpoints if e.paused_until > now]
+                timeout = max(min(pauses), 0.01) if pauses else None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout)
+
+    async def release(self, endpoint: _Endpoint, *, healthy: bool | None) -> None:
+        """``healthy`` None: the request ended without telling anything about the server."""
+        async with self._changed:
+            endpoint.in_flight -= 1
+            if healthy:
+                endpoint.consecutive_failures = 0
+            elif healthy is False:
+                endpoint.consecutive_failures += 1
+                if endpoint.consecutive_failures >= self.max_failures:
+                    endpoint.paused_until = time.monotonic() + self.pause_s
+                    endpoint.consecutive_failures = 0
+                    log.warning(
+                        "endpoint %s failed %d times in a row: paused for %.0fs",
+                        endpoint.url,
+                        self.max_failures,
+                        self.pause_s,
+                    )
+            self._changed.notify_all()
+
+
+def request_body(
+    messages: Sequence[Message],
+    *,
+    model: str,
+    sampling: Mapping[str, Any],
+    seed: int,
+    chat_template_kwargs: Mapping[str, Any],
+    extra_body: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The /chat/completions body: OpenAI fields plus the SGLang/vLLM extensions."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [_wire_message(m) for m in messages],
+        "max_tokens": sampling["max_tokens"],
+        "temperature": sampling["temperature"],
+        "top_p": sampling["top_p"],
+        "seed": seed,
+        "stream": False,
+    }
+    if sampling["top_k"] != -1:
+        body["top_k"] = sampling["top_k"]
+    if sampling["repetition_penalty"] != 1.0:
+        body["repetition_penalty"] = sampling["repetition_penalty"]
+    if sampling["stop"]:
+        body["stop"] = list(sampling["stop"])
+    if chat_template_kwargs:
+        body["chat_template_kwargs"] = dict(chat_template_kwargs)
+    body.update(extra_body)
+    return body
+
+
+def _wire_message(message: Message) -> dict[str, Any]:
+    # Servers render history themselves; reasoning of earlier turns is sent
+    # back as reasoning_content, which templates such as Qwen3's and Kimi's read.
+    return {k: v for k, v in message.items() if k in ("role", "content", "reasoning_content")}
+
+
+def _error_message(payload: Any, text: str) -> str:
+    if isinstance(payload, dict):
+        err = payload.get("error", payload)
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(payload.get("detail"), str):
+            return payload["detail"]
+    return text[:500]
+
+
+class OpenAIEngine:
+    """Async engine: ``await complete(messages)`` gives the next assistant turn."""
+
+    def __init__(
+        self,
+        settings: HttpSettings,
+        *,
+        sampling: Mapping[str, Any],
+        seed: int,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        count_tokens: Any = None,
+    ) -> None:
+        if not settings.endpoints:
+            raise EngineUnavailable("generation.endpoints is empty: name at least one server URL")
+        self.settings = settings
+        self.sampling = dict(sampling)
+        self.seed = seed
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.count_tokens = count_tokens  # fallback when a server reports no usage
+        self.pool = EndpointPool(
+            settings.endpoints,
+            settings.concurrency,
+            settings.endpoint_max_failures,
+            settings.endpoint_pause_s,
+        )
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    async def start(self) -> None:
+        headers = {"Content-Type": "application/json"}
+        if self.settings.api_key:
+            headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        self._session = aiohttp.ClientSession(
+            headers=headers,
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(
+                total=self.settings.request_timeout_s, connect=self.settings.connect_timeout_s
+            ),
+        )
+        await self._health_check()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _health_check(self) -> None:
+        """Fail in seconds, naming every URL and what it answered, if none works."""
+        assert self._session is not None
+        problems = []
+        timeout = aiohttp.ClientTimeout(total=self.settings.health_check_timeout_s)
+        for endpoint in self.pool.endpoints:
+            url = f"{endpoint.url}/models"
+            try:
+                async with self._session.get(url, timeout=timeout) as resp:
+                    if resp.status == 200:
+                        continue
+                    text = await resp.text()
+                    problems.append(f"GET {url} -> HTTP {resp.status}: {text[:200]}")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                problems.append(f"GET {url} -> {type(exc).__name__}: {exc}")
+            endpoint.paused_until = time.monotonic() + self.settings.endpoint_pause_s
+        if len(problems) == len(self.pool.endpoints):
+            raise EngineUnavailable(
+                "no generation endpoint is usable:\n" + "\n".join(f"  {p}" for p in problems)
+            )
+        for p in problems:
+            log.warning("endpoint unusable at start, paused: %s", p)
+
+    async def complete(self, messages: Sequence[Message]) -> Completion | TurnFailure:
+        body = request_body(
+            messages,
+            model=self.settings.model,
+            sampling=self.sampling,
+            seed=self.seed,
+            chat_template_kwargs=self.chat_template_kwargs,
+            extra_body=self.settings.extra_body,
+        )
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(TransientError),
+            stop=stop_after_attempt(self.settings.max_retries + 1),
+            wait=wait_exponential_jitter(
+                multiplier=self.settings.backoff_initial_s,
+                max=self.settings.backoff_max_s,
+                jitter=self.settings.backoff_initial_s,
+            ),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self._post(body)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _post(self, body: dict[str, Any]) -> Completion | TurnFailure:
+        assert self._session is not None, "call start() first"
+        endpoint = await self.pool.acquire()
+        healthy: bool | None = False
+        try:
+            url = f"{endpoint.url}/chat/completions"
+            try:
+                async with self._session.post(url, json=body) as resp:
+                    text = await resp.text()
+                    status = resp.status
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise TransientError(f"{url}: {type(exc).__name__}: {exc}") from exc
+            payload = _json_or_none(text)
+            if status in _RETRY_STATUS:
+                raise TransientError(f"{url}: HTTP {status}: {_error_message(payload, text)}")
+            healthy = True  # the server answered; what it said is about the request
+            if status != 200:
+                return TurnFailure(f"HTTP {status}: {_error_message(payload, text)}")
+            if payload is None:
+                healthy = False
+                raise TransientError(f"{url}: HTTP 200 with a body that is not JSON")
+            return self._completion(payload, url)
+        except asyncio.CancelledError:
+            healthy = None  # we hung up (a stop, or the budget is reached): no verdict
+            raise
+        finally:
+            await self.pool.release(endpoint, healthy=healthy)
+
+    def _completion(self, payload: dict[str, Any], url: str) -> Completion:
+        try:
+            choice = payload["choices"][0]
+            message = choice["message"]
+            content = message.get("content") or ""
+            reasoning = message.get("reasoning_content") or None
+            finish = choice.get("finish_reason") or "unknown"
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise TransientError(f"{url}: unexpected response shape ({exc!r})") from None
+        if finish == "abort":  # SGLang: the scheduler dropped the request; ask again
+            raise TransientError(f"{url}: generation aborted by the server")
+        usage = payload.get("usage") or {}
+        completion_tokens = usage.get("completion_tokens")
+        prompt_tokens = usage.get("prompt_tokens", 0)
+        usage_source = "server"
+        if completion_tokens is None:
+            if self.count_tokens is None:
+                raise TransientError(f"{url}: response has no usage and no tokenizer to count")
+            completion_tokens = self.count_tokens((reasoning or "") + content)
+            usage_source = "tokenizer"
+        return Completion(
+            content=content,
+            finish_reason=finish,
+            prompt_tokens=int(prompt_tokens or 0),
+            completion_tokens=int(completion_tokens),
+            reasoning_content=reasoning,
+            usage_source=usage_source,
+        )
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

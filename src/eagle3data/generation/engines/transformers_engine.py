@@ -1,0 +1,149 @@
+"""In-process generation with transformers (CPU or one GPU), batched.
+
+Rows of a batch are left-padded and generated together. Rows whose prompt plus
+``max_tokens`` would not fit in the model context are generated alone, so a
+long prompt never shortens its neighbours' completions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ...chat import render
+from ...model_config import context_length
+from ...torch_utils import load_causal_lm
+from . import Completion, Message, TurnFailure
+
+
+class TransformersEngine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        sampling: Mapping[str, Any],
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+    ) -> None:
+        self.model, self.tokenizer = load_causal_lm(model_path, dtype=dtype, device=device)
+        self.sampling = dict(sampling)
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        # The text decoder's context (a wrapper's top level declares none): 0 = unknown.
+        self.context_length = context_length(self.model.config) or 0
+        self.eos_ids = self._eos_ids()
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.eos_ids[0]
+
+    def _eos_ids(self) -> list[int]:
+        ids: list[int] = []
+        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if source is None:
+                continue
+            for i in source if isinstance(source, list) else [source]:
+                if i not in ids:
+                    ids.append(int(i))
+        if not ids:
+            raise ValueError("the model declares no end-of-sequence token; cannot detect 'stop'")
+        return ids
+
+    def complete(
+        self, conversations: Sequence[Sequence[Message]], *, seed: int
+    ) -> list[Completion | TurnFailure]:
+        results: list[Completion | TurnFailure | None] = [None] * len(conversations)
+        prompts: list[list[int]] = []
+        for conv in conversations:
+            text = render(
+                self.tokenizer,
+                conv,
+                add_generation_prompt=True,
+                chat_template_kwargs=self.chat_template_kwargs,
+            )
+            prompts.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        max_tokens = int(self.sampling["max_tokens"])
+        batch: list[int] = []
+        for i, ids in enumerate(prompts):
+            if self.context_length and len(ids) >= self.context_length:
+                results[i] = TurnFailure(
+                    f"prompt has {len(ids)} tokens; the model context is {self.context_length}"
+                )
+            elif self.context_length and len(ids) + max_tokens > self.context_length:
+                results[i] = self._generate([ids], seed, self.context_length - len(ids))[0]
+            else:
+                batch.append(i)
+        if batch:
+            outs = self._generate([prompts[i] for i in batch], seed, max_tokens)
+            for i, out in zip(batch, outs, strict=True):
+                results[i] = out
+        return [r for r in results if r is not None]
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], seed: int, max_new: int) -> list[Completion]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention[row, width - len(ids) :] = 1
+        device = self.model.device
+        s = self.sampling
+        kwargs: dict[str, Any] = {"do_sample": s["temperature"] > 0}
+        if kwargs["do_sample"]:
+            kwargs.update(
+                temperature=s["temperature"],
+                top_p=s["top_p"],
+                top_k=max(s["top_k"], 0),  # -1 (disabled, OpenAI style) is 0 here
+            )
+        if s["repetition_penalty"] != 1.0:
+            kwargs["repetition_penalty"] = s["repetition_penalty"]
+        if s["stop"]:
+            kwargs.update(stop_strings=list(s["stop"]), tokenizer=self.tokenizer)
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention.to(device),
+            max_new_tokens=max_new,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            **kwargs,
+        )
+        new_tokens = out[:, width:].tolist()
+        return [
+            self._completion(tokens, len(p), max_new)
+            for tokens, p in zip(new_tokens, prompts, strict=True)
+        ]
+
+    def _completion(self, tokens: list[int], prompt_len: int, max_new: int) -> Completion:
+        # Finished rows are padded (often with the EOS id itself), so the first
+        # EOS ends the completion; it is counted, like servers count it.
+        end = next((k for k, t in enumerate(tokens) if t in self.eos_ids), None)
+        if end is not None:
+            body, count, reason = tokens[:end], end + 1, "stop"
+        else:
+            body, count, reason = (
+                tokens,
+                len(tokens),
+                "length" if len(tokens) >= max_new else "stop",
+            )
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        hits = [(text.find(stop), stop) for stop in self.sampling["stop"] if stop in text]
+        if hits:
+            cut, stop = min(hits)
+            text = text[:cut]
+            # Count tokens up to the one that completed the earliest stop string.
+            count = next(
+                k + 1
+                for k in range(len(body))
+                if stop in self.tokenizer.decode(body[: k + 1], skip_special_tokens=True)
+            )
+            reason = "stop"
+        return Completion(
+            content=text,
+            finish_reason=reason,
+            prompt_tokens=prompt_len,
+            completion_tokens=count,
+        )

@@ -1,0 +1,157 @@
+"""The journal record: one prompt whose generation finished, or failed for good.
+
+One definition for everyone who reads or writes records: the driver builds them
+(:func:`ok_record`, :func:`failed_record`) and reads them back on resume, the budget
+counts :func:`counted_tokens`, accounting and progress count :func:`spent_tokens`, and
+the status command, the dry run and the report read the same fields from journals of
+any size with polars (:func:`summarise_lines`, :data:`SUMMARY_SCHEMA`).
+
+On disk (one JSON line per record, keys sorted)::
+
+    ok:     {id, prompt_hash, status: "ok", messages, finish_reason,
+             usage: {prompt_tokens, completion_tokens}, turns: [Turn, ...], finished_at}
+    failed: {id, prompt_hash, status: "failed", error, completion_tokens_spent, finished_at}
+
+``finished_at`` (unix seconds) is when the record was journaled; journals written before
+it existed lack it.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, NotRequired, TypedDict
+
+import polars as pl
+
+from ..atomic import dumps_line
+
+
+class Turn(TypedDict):
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    usage_source: NotRequired[str]  # "tokenizer": the server reported no usage
+
+
+class Usage(TypedDict):
+    prompt_tokens: int  # summed over the turns
+    completion_tokens: int
+
+
+class OkRecord(TypedDict):
+    id: str
+    prompt_hash: str
+    status: Literal["ok"]
+    messages: list[dict[str, Any]]
+    finish_reason: str  # the last turn's
+    usage: Usage
+    turns: list[Turn]
+    finished_at: NotRequired[float]
+
+
+class FailedRecord(TypedDict):
+    id: str
+    prompt_hash: str
+    status: Literal["failed"]
+    error: str
+    completion_tokens_spent: int  # by the turns before the one that failed
+    finished_at: NotRequired[float]
+
+
+JournalRecord = OkRecord | FailedRecord
+
+
+def ok_record(
+    prompt_id: str, prompt_hash: str, messages: list[dict[str, Any]], turns: list[Turn]
+) -> OkRecord:
+    return {
+        "id": prompt_id,
+        "prompt_hash": prompt_hash,
+        "status": "ok",
+        "messages": messages,
+        "finish_reason": turns[-1]["finish_reason"],
+        "usage": {
+            "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
+            "completion_tokens": sum(t["completion_tokens"] for t in turns),
+        },
+        "turns": turns,
+    }
+
+
+def failed_record(prompt_id: str, prompt_hash: str, error: str, spent: int) -> FailedRecord:
+    return {
+        "id": prompt_id,
+        "prompt_hash": prompt_hash,
+        "status": "failed",
+        "error": error,
+        "completion_tokens_spent": spent,
+    }
+
+
+def is_failed(record: Mapping[str, Any]) -> bool:
+    return bool(record["status"] == "failed")
+
+
+def counted_tokens(record: Mapping[str, Any]) -> int:
+    """What the budget counts: the completion tokens of a record in the output (0 if failed)."""
+    return 0 if is_failed(record) else int(record["usage"]["completion_tokens"])
+
+
+def spent_tokens(record: Mapping[str, Any]) -> int:
+    """Completion tokens the engine generated for the record, used or not."""
+    if is_failed(record):
+        return int(record["completion_tokens_spent"])
+    return int(record["usage"]["completion_tokens"])
+
+
+# --- the same fields, read with polars from journals of any size ---------------------
+
+# The record fields the summary reads (everything else in a line is skipped unparsed).
+RECORD_SCHEMA = {
+    "id": pl.String,
+    "prompt_hash": pl.String,
+    "status": pl.String,
+    "usage": pl.Struct({"completion_tokens": pl.Int64}),
+    "turns": pl.List(pl.Struct({"prompt_tokens": pl.Int64, "completion_tokens": pl.Int64})),
+    "completion_tokens_spent": pl.Int64,
+    "finished_at": pl.Float64,
+}
+SUMMARY_SCHEMA = {
+    "id": pl.String,
+    "prompt_hash": pl.String,
+    "failed": pl.Boolean,
+    "completion_tokens": pl.Int64,  # counted_tokens
+    "spent_tokens": pl.Int64,  # spent_tokens
+    "conversation_tokens": pl.Int64,  # last turn's prompt + completion: the full length
+    "finished_at": pl.Float64,  # null in journals written before it was recorded
+}
+
+
+def summarise_lines(chunk: bytes) -> pl.DataFrame:
+    """One :data:`SUMMARY_SCHEMA` row per complete JSON line of ``chunk``."""
+    if not chunk.strip():
+        return pl.DataFrame(schema=SUMMARY_SCHEMA)
+    raw = pl.read_ndjson(io.BytesIO(chunk), schema=RECORD_SCHEMA)
+    failed = pl.col("status") == "failed"
+    completion = pl.col("usage").struct.field("completion_tokens")
+    last = pl.col("turns").list.last()
+    return raw.select(
+        "id",
+        "prompt_hash",
+        failed.alias("failed"),
+        pl.when(failed).then(0).otherwise(completion).alias("completion_tokens"),
+        pl.when(failed)
+        .then(pl.col("completion_tokens_spent").fill_null(0))
+        .otherwise(completion)
+        .alias("spent_tokens"),
+        (last.struct.field("prompt_tokens") + last.struct.field("completion_tokens"))
+        .fill_null(0)
+        .alias("conversation_tokens"),
+        "finished_at",
+    ).cast(SUMMARY_SCHEMA)  # type: ignore[arg-type]
+
+
+def summarise(records: Iterable[Mapping[str, Any]]) -> pl.DataFrame:
+    """:func:`summarise_lines` of records in memory (read the same way as on disk)."""
+    return summarise_lines("".join(dumps_line(r) for r in records).encode())

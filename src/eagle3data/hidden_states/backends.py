@@ -1,0 +1,81 @@
+"""The capture backends, and the one ``hidden_states.backend`` names.
+
+Every backend is an :class:`Extractor`: ``aux``, ``hidden_size``, ``dtype`` and
+``forward(samples)`` returning ``(aux [T, 3H], last [T, H])`` CPU tensors per sample, in
+the model dtype:
+
+* ``transformers`` (:mod:`.transformers_capture`): in-process forward with hooks, on the
+  CPU, one GPU, or several (``device_map="auto"``);
+* ``sglang`` (:mod:`.sglang_capture`): SGLang's offline engine, tensor/expert parallel.
+
+Nothing heavy is imported until a backend is built (the job takes its GPUs first).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..gpu_slots import VISIBLE_ENV, held_gpu_count, parse_visible
+from .layers import AuxLayers
+from .settings import hidden_state_dtype
+
+if TYPE_CHECKING:
+    import torch
+
+BACKENDS = ("transformers", "sglang")
+
+
+class Extractor(Protocol):
+    """What the shard loop needs from a backend."""
+
+    aux: AuxLayers
+    hidden_size: int
+    dtype: torch.dtype
+
+    def forward(
+        self, samples: Sequence[Sequence[int]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+def job_gpu_count() -> int:
+    """GPUs this job spreads a transformers model over: as many as it asked the slot
+    lock for (a scheduler may show more), else all visible ones, else one device."""
+    held = held_gpu_count()
+    if held is not None:
+        return held
+    visible = os.environ.get(VISIBLE_ENV)
+    return len(parse_visible(visible)) if visible is not None else 1
+
+
+def build_extractor(
+    model_path: str,
+    hidden_cfg: Mapping[str, Any],
+    model_dtype: str,
+    *,
+    sglang_engine_factory: Callable[[Mapping[str, Any]], Any] | None = None,
+) -> Extractor:
+    """The backend of ``hidden_cfg`` (the ``hidden_states`` config section)."""
+    backend = hidden_cfg.get("backend", "transformers")
+    common: dict[str, Any] = {
+        "aux_layers": hidden_cfg["aux_layers"],
+        "convention": hidden_cfg["aux_layer_convention"],
+        "dtype": hidden_state_dtype(hidden_cfg, model_dtype),
+    }
+    if backend == "transformers":
+        from .transformers_capture import HiddenStateExtractor
+
+        return HiddenStateExtractor(
+            model_path, device=hidden_cfg["device"], gpus=job_gpu_count(), **common
+        )
+    if backend == "sglang":
+        from .sglang_capture import SGLangCapture, start_engine
+
+        return SGLangCapture(
+            model_path,
+            options=hidden_cfg.get("sglang") or {},
+            engine_factory=sglang_engine_factory or start_engine,
+            **common,
+        )
+    raise ValueError(f"hidden_states.backend must be one of {list(BACKENDS)}, got {backend!r}")

@@ -1,0 +1,178 @@
+"""The hidden_states job: one shard's conversations through the target, into HDF5.
+
+:func:`extract_into_shard` is the loop: the shard's samples are declared to the writer
+first, then computed in length-sorted batches packed to a token budget, and each batch's
+states are written to their rows of the shard by a background thread while the next
+batch is computed, so memory holds about two batches, never a whole shard.
+
+Importing this module imports no torch: the job takes its GPUs first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ValidationError
+from ..shards import ShardWriter
+from ..tokenization.table import read_row_range
+from .backends import Extractor, build_extractor
+from .planning import shard_spec
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+# Padding is computed and thrown away. Once a batch holds this share of the token
+# budget (enough to keep a GPU busy), a sample that would make more than
+# _MAX_PADDING of it padding starts a new batch instead.
+_MIN_FILL = 0.25
+_MAX_PADDING = 0.1
+
+
+def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Group sample indices, longest first, so padded tokens per batch stay
+    within ``batch_tokens`` (a longer sample gets a batch of its own), and
+    padding stays under 10% once a batch is a quarter full."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    real = 0  # real tokens in the last batch
+    for i in order:
+        if batches:
+            # Sorted descending: the first member sets the padded width.
+            padded = lengths[batches[-1][0]] * (len(batches[-1]) + 1)
+            wasteful = real >= _MIN_FILL * batch_tokens and (
+                padded - real - lengths[i] > _MAX_PADDING * padded
+            )
+            if padded <= batch_tokens and not wasteful:
+                batches[-1].append(i)
+                real += lengths[i]
+                continue
+        batches.append([i])
+        real = lengths[i]
+    return batches
+
+
+# Batches whose states may wait for the writer thread: one being written while
+# the next is computed. More only adds memory; the disk is not the bottleneck.
+_WRITES_IN_FLIGHT = 1
+
+
+def extract_into_shard(
+    extractor: Extractor,
+    writer: ShardWriter,
+    sample_ids: Sequence[str],
+    input_ids: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[int]],
+    *,
+    batch_tokens: int,
+    background_writes: bool = True,
+    on_batch: Callable[[int, int, int], None] | None = None,
+) -> None:
+    """Compute and store the hidden states of one shard's samples, in shard order.
+
+    The samples are declared to ``writer`` first (ids, tokens, masks, offsets), then
+    computed in length-sorted batches; each batch's rows go to their final offsets as
+    soon as the batch is done. ``on_batch(n, of, samples_in_batch)`` reports progress.
+    """
+    writer.declare_samples(sample_ids, input_ids, loss_masks)
+    batches = length_batches([len(x) for x in input_ids], batch_tokens)
+
+    def write(batch: list[int], states: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for i, (aux, last) in zip(batch, states, strict=True):
+            writer.write_states(i, aux, last)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
+        pending: deque[Future[None]] = deque()
+        for n, batch in enumerate(batches, start=1):
+            states = extractor.forward([input_ids[i] for i in batch])
+            if background_writes:
+                pending.append(pool.submit(write, batch, states))
+                while len(pending) > _WRITES_IN_FLIGHT:
+                    pending.popleft().result()  # re-raises a failed write here
+            else:
+                write(batch, states)
+            if on_batch is not None:
+                on_batch(n, len(batches), len(batch))
+        while pending:
+            pending.popleft().result()
+
+
+def extract_shard(
+    *,
+    dataset: str,
+    shard: int,
+    spec_path: str,
+    tokenized_path: str,
+    tokenize_stats_path: str,
+    model_path: str,
+    model_label: str,
+    hidden_cfg: Mapping[str, Any],
+    model_dtype: str,
+    out_shard: str,
+    threads: int | None = None,
+) -> None:
+    """Extract shard ``shard`` as its spec describes it; ``hidden_cfg`` is the
+    ``hidden_states`` section (settings and execution keys alike)."""
+    from ..torch_utils import dtype_name, set_threads
+
+    spec = json.loads(Path(spec_path).read_text())
+    df = read_row_range(tokenized_path, spec["start"], spec["end"])
+    tok_stats = json.loads(Path(tokenize_stats_path).read_text())
+    # The spec is what decides whether this shard is redone: never extract rows it
+    # does not describe (it would be a bug upstream, so fail loudly).
+    if spec != shard_spec(dataset, shard, spec["start"], spec["end"], df, tok_stats):
+        raise ValidationError(
+            f"{dataset} shard {shard}: {spec_path} does not describe rows "
+            f"{spec['start']}-{spec['end']} of {tokenized_path}; re-run plan_shards "
+            f"(snakemake -R plan_shards)"
+        )
+    set_threads(threads)
+    extractor = build_extractor(model_path, hidden_cfg, model_dtype)
+    dtype = dtype_name(extractor.dtype)
+    ids = df["id"].to_list()
+    input_ids = df["input_ids"].to_list()
+    masks = df["loss_mask"].to_list()
+    attrs = {
+        "dataset": dataset,
+        "shard": shard,
+        "model": model_label,
+        "tokenizer_hash": tok_stats["tokenizer_hash"],
+        "chat_template_hash": tok_stats["chat_template_hash"],
+        "final_state": "post_norm",
+        "final_state_description": "output of the model's final norm (the lm_head input)",
+        "max_seq_len": tok_stats["max_seq_len"],
+        "compute_dtype": dtype,
+        **extractor.aux.as_attrs(),
+    }
+
+    def progress(n: int, of: int, conversations: int) -> None:
+        log.info(
+            "%s shard %d: batch %d/%d (%d conversations)", dataset, shard, n, of, conversations
+        )
+
+    # Streams: each batch's rows are written at their offsets as the batch finishes.
+    with ShardWriter(
+        out_shard,
+        hidden_size=extractor.hidden_size,
+        hidden_dtype=dtype,
+        attrs=attrs,
+        compression=hidden_cfg.get("compression", "none"),
+    ) as writer:
+        extract_into_shard(
+            extractor,
+            writer,
+            ids,
+            input_ids,
+            masks,
+            batch_tokens=hidden_cfg["batch_tokens"],
+            on_batch=progress,
+        )
+    log.info("%s shard %d: wrote %d conversations to %s", dataset, shard, len(ids), out_shard)

@@ -1,0 +1,31 @@
+"""Which hidden-state settings change the stored states, and which only say how to run.
+
+:func:`hidden_state_settings` is the ``params.settings`` of the plan_shards and
+hidden_states rules (their rerun trigger) and what their scripts read back; where and
+on how many GPUs the states are computed does not change them, so those keys are left
+out: adding them, or moving a run to another machine, re-runs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# hidden_states.* keys that say how a shard is computed, not what it holds.
+EXECUTION_KEYS = ("gpus_per_job", "sglang")
+
+
+def hidden_state_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    hidden = {k: v for k, v in config["hidden_states"].items() if k not in EXECUTION_KEYS}
+    return {"hidden_states": hidden, "dtype": config["model"]["dtype"]}
+
+
+def execution_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``hidden_states.*`` settings that only say how to run (see EXECUTION_KEYS)."""
+    return {k: v for k, v in config["hidden_states"].items() if k in EXECUTION_KEYS}
+
+
+def hidden_state_dtype(hidden_cfg: Mapping[str, Any], model_dtype: str) -> str:
+    """The dtype hidden states are computed and stored in, before ``auto`` is resolved
+    from the model (``hidden_states.dtype``, defaulting to ``model.dtype``)."""
+    return model_dtype if hidden_cfg["dtype"] == "auto" else hidden_cfg["dtype"]

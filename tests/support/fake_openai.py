@@ -1,0 +1,865 @@
+"""A fake OpenAI-compatible chat server for fault-injection tests and benchmarks.
+
+It speaks the two endpoints the HTTP generation backend uses, the way SGLang, vLLM
+and llama.cpp do (non-streaming only):
+
+* ``POST {base}/chat/completions`` -> a ``chat.completion`` object with ``usage``;
+* ``GET {base}/models`` -> ``{"object": "list", "data": [{"id": model, ...}]}``;
+
+plus ``GET /stats`` (counters as JSON) and ``POST /stats/reset`` for benchmarks.
+``base`` is ``http://127.0.0.1:PORT/v1``. The server only ever binds 127.0.0.1.
+
+Deterministic completions
+    "Tokens" are whitespace-separated words. A conversation (its ``messages``) is
+    answered with ``n`` tokens, ``n = tokens_fn(messages)`` or by default
+    ``mean_tokens + spread`` with a spread in ``[-token_spread, +token_spread]``
+    taken from a SHA-256 of the messages. The reply repeats the words of
+    ``"Answer to: <last user message>"`` until it has ``n`` words. With
+    ``reasoning=True`` the first ``min(reasoning_tokens, n)`` tokens go to
+    ``reasoning_content`` (words of ``"Thinking about: <last user message>"``) and
+    the rest to ``content`` (``None`` when nothing is left), and
+    ``completion_tokens`` counts both, like vLLM and SGLang do. ``max_tokens`` (or
+    ``max_completion_tokens``) caps ``n``; a capped reply has
+    ``finish_reason == "length"``, otherwise ``"stop"``. ``prompt_tokens`` is the
+    number of words in all message contents plus one per message. Sampling
+    parameters (temperature, seed, ...) are accepted and ignored.
+
+Fault injection
+    ``faults(body, attempt) -> Fault | None`` is called for every well-formed chat
+    request; ``attempt`` is how many times this same ``messages`` list has been
+    received (1 the first time). A returned fault replaces the normal answer:
+    :class:`Status` (an HTTP error with an OpenAI-style body), :class:`Delay`
+    (sleep, then answer or apply another fault), :class:`Drop` (close the
+    connection without a response, or mid-body), :class:`MalformedJSON`
+    (200 with a body that is not JSON) and :class:`NoUsage` (a valid completion
+    without ``usage``). :class:`FaultPlan` scripts faults per conversation and
+    attempt; :func:`hashed_faults` faults a deterministic fraction of conversations.
+
+Engine capacity
+    With ``slots=S`` at most S requests are "generating" at once; others wait in
+    a FIFO queue. A request holds its slot for
+    ``base_latency_s + completion_tokens / tokens_per_s`` seconds. If the client
+    closes the connection (timeout, cancellation) the handler is cancelled,
+    the slot is freed at once and the request counts as ``cancelled``, which is
+    what SGLang does with requests whose connection closes.
+
+Running it
+    In-process (pytest)::
+
+        with FakeOpenAIServer(faults=FaultPlan({"hi": [Status(503)]})) as server:
+            post(server.url + "/chat/completions", ...)
+            server.requests, server.stats, server.attempts(messages)
+
+    As a separate process (benchmarks)::
+
+        python tests/support/fake_openai.py --port 0 --slots 64 --tokens-per-s 200 \\
+            --mean-tokens 200
+        # prints "READY http://127.0.0.1:PORT/v1", exits on SIGTERM/SIGINT
+
+    Run ``python tests/support/fake_openai.py --help`` for all flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import hashlib
+import itertools
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+HOST = "127.0.0.1"
+DEFAULT_MODEL = "fake-model"
+
+# ---------------------------------------------------------------------------
+# Faults
+# ---------------------------------------------------------------------------
+
+
+def _default_error_type(code: int) -> str:
+    if code == 429:
+        return "rate_limit_error"
+    if code >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+@dataclass(frozen=True)
+class Status:
+    """Answer with HTTP ``code`` and ``{"error": {"message", "type", "code"}}``.
+
+    ``type`` defaults from the status (``invalid_request_error`` for 4xx,
+    ``rate_limit_error`` for 429, ``server_error`` for 5xx), ``error_code``
+    defaults to the status number. ``retry_after`` adds a ``Retry-After`` header
+    (seconds). ``raw_body`` replaces the JSON body verbatim (e.g. an HTML page
+    from a proxy).
+    """
+
+    code: int = 500
+    message: str = "Internal server error"
+    type: str | None = None
+    error_code: str | int | None = None
+    retry_after: float | None = None
+    raw_body: str | None = None
+
+    @classmethod
+    def server_error(cls) -> Status:
+        return cls(500, "Internal server error")
+
+    @classmethod
+    def overloaded(cls, retry_after: float | None = None) -> Status:
+        return cls(503, "Service unavailable: the engine is overloaded", retry_after=retry_after)
+
+    @classmethod
+    def rate_limited(cls, retry_after: float | None = 1.0) -> Status:
+        return cls(
+            429,
+            "Rate limit reached, please retry later",
+            error_code="rate_limit_exceeded",
+            retry_after=retry_after,
+        )
+
+    @classmethod
+    def request_timeout(cls) -> Status:
+        return cls(408, "Request timed out")
+
+    @classmethod
+    def context_length_exceeded(cls, limit: int = 4096, requested: int = 5000) -> Status:
+        return cls(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you "
+            f"requested {requested} tokens. Please reduce the length of the messages "
+            "or completion.",
+            error_code="context_length_exceeded",
+        )
+
+    def error_body(self) -> dict[str, Any]:
+        return _error_body(
+            self.message,
+            self.type or _default_error_type(self.code),
+            self.error_code if self.error_code is not None else self.code,
+        )
+
+
+@dataclass(frozen=True)
+class Delay:
+    """Sleep ``seconds`` before answering (normally, or with the fault ``then``).
+
+    The sleep happens before the request queues for a slot. A client that gives up
+    during the sleep closes the connection and the request counts as cancelled.
+    """
+
+    seconds: float
+    then: Fault | None = None
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Close the connection without answering; the client gets a connection error.
+
+    With ``partial=True`` the server first sends a 200 status line, headers that
+    promise a longer body and a prefix of it, then closes: the client gets a
+    payload error (aiohttp ``ClientPayloadError``, http.client ``IncompleteRead``).
+    """
+
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class MalformedJSON:
+    """Answer 200 with ``content_type`` but a ``body`` that is not valid JSON."""
+
+    body: str = '{"id": "chatcmpl-broken", "object": "chat.completion", "choices": [{"ind'
+    content_type: str = "application/json"
+
+
+@dataclass(frozen=True)
+class NoUsage:
+    """Answer a valid completion (after normal generation time) without ``usage``."""
+
+
+Fault = Status | Delay | Drop | MalformedJSON | NoUsage
+FaultFn = Callable[[dict[str, Any], int], Fault | None]
+Matcher = str | Callable[[dict[str, Any]], bool]
+
+
+class FaultPlan:
+    """Faults per conversation and attempt, usable as the server's ``faults``.
+
+    ``plan`` maps a matcher to the faults of successive attempts: the i-th entry
+    (``None`` = answer normally) applies to attempt i + 1; attempts beyond the list
+    succeed. A matcher is a string (equal to the last user message's text) or a
+    predicate on the request body. The first matching entry wins; ``default``
+    applies to conversations that match nothing.
+
+        FaultPlan({"q1": [Status(503), Drop()], "q2": [NoUsage()]},
+                  default=[Delay(0.1)])
+    """
+
+    def __init__(
+        self,
+        plan: Mapping[Matcher, Sequence[Fault | None]] | None = None,
+        *,
+        default: Sequence[Fault | None] = (),
+    ) -> None:
+        self._entries: list[tuple[Matcher, list[Fault | None]]] = []
+        self.default = list(default)
+        for matcher, faults in (plan or {}).items():
+            self.add(matcher, *faults)
+
+    def add(self, matcher: Matcher, *faults: Fault | None) -> FaultPlan:
+        """Append an entry (after the existing ones); returns self for chaining."""
+        self._entries.append((matcher, list(faults)))
+        return self
+
+    def faults_for(self, body: dict[str, Any]) -> list[Fault | None]:
+        text = last_user_text(body.get("messages") or [])
+        for matcher, faults in self._entries:
+            if (matcher == text) if isinstance(matcher, str) else matcher(body):
+                return faults
+        return self.default
+
+    def __call__(self, body: dict[str, Any], attempt: int) -> Fault | None:
+        faults = self.faults_for(body)
+        return faults[attempt - 1] if attempt <= len(faults) else None
+
+
+def hashed_faults(rate: float, fault: Fault, attempts: int = 1) -> FaultFn:
+    """Apply ``fault`` to the first ``attempts`` attempts of a fraction ``rate`` of
+    conversations, chosen by a hash of the messages (the same ones on every run)."""
+
+    def faults(body: dict[str, Any], attempt: int) -> Fault | None:
+        if attempt > attempts:
+            return None
+        fraction = _hash_int(body.get("messages") or [], "fault") / 2**64
+        return fault if fraction < rate else None
+
+    return faults
+
+
+# ---------------------------------------------------------------------------
+# Deterministic completions
+# ---------------------------------------------------------------------------
+
+
+def conversation_key(messages: Sequence[Any]) -> str:
+    """Canonical text of a messages list (what attempts are counted by)."""
+    return json.dumps(list(messages), sort_keys=True, ensure_ascii=False)
+
+
+def _hash_int(messages: Sequence[Any], salt: str) -> int:
+    digest = hashlib.sha256((salt + "\0" + conversation_key(messages)).encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def content_text(content: Any) -> str:
+    """Text of a message content: a string or a list of ``{"type": "text"}`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return str(content)
+
+
+def last_user_text(messages: Sequence[Any]) -> str:
+    """Text of the last ``user`` message (of the last message if there is none)."""
+    dicts = [m for m in messages if isinstance(m, dict)]
+    for message in reversed(dicts):
+        if message.get("role") == "user":
+            return content_text(message.get("content"))
+    return content_text(dicts[-1].get("content")) if dicts else ""
+
+
+def prompt_tokens_of(messages: Sequence[Any]) -> int:
+    return sum(
+        len(content_text(m.get("content")).split()) + 1 for m in messages if isinstance(m, dict)
+    )
+
+
+def _words(prefix: str, text: str, n: int) -> str:
+    base = (prefix + text).split()
+    return " ".join(base[i % len(base)] for i in range(n))
+
+
+def answer_for(text: str, n: int) -> str:
+    """The ``n``-word answer to a conversation whose last user text is ``text``."""
+    return _words("Answer to: ", text, n)
+
+
+def reasoning_for(text: str, n: int) -> str:
+    return _words("Thinking about: ", text, n)
+
+
+# ---------------------------------------------------------------------------
+# The server
+# ---------------------------------------------------------------------------
+
+
+def _error_body(message: str, type_: str, code: str | int | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+def _error(status: int, message: str, type_: str, code: str | int | None) -> web.Response:
+    return web.json_response(_error_body(message, type_, code), status=status)
+
+
+_STAT_KEYS = (
+    "received",  # chat requests received (any outcome)
+    "completed",  # valid completions sent (NoUsage included)
+    "cancelled",  # handler cancelled because the client closed the connection
+    "dropped",  # connections closed by a Drop fault
+    "faulted",  # requests that got an injected fault (Delay counted once)
+    "errors",  # error statuses sent: injected Status faults and real 4xx
+    "completion_tokens",  # completion tokens of completed requests
+    "prompt_tokens",  # prompt tokens of completed requests
+    "in_service",  # requests holding a slot now
+    "queued",  # requests waiting for a slot now
+    "max_in_service",
+    "max_queued",
+)
+
+
+class FakeOpenAI:
+    """The fake server's state and aiohttp app; runs on the caller's event loop.
+
+    Use :meth:`start` / :meth:`stop` inside a running loop, or the threaded
+    :class:`FakeOpenAIServer`, or the command line (``main``).
+
+    Options:
+        model: the model id served (``/models``); requests may name any model
+            unless ``strict_model`` (then a 404 ``model_not_found``).
+        api_key: if set, requests must send ``Authorization: Bearer <api_key>``
+            (otherwise 401 ``invalid_api_key``); ``/stats`` is never protected.
+        mean_tokens, token_spread: default completion length ``mean ± spread``
+            (spread defaults to ``mean_tokens // 4``), before ``max_tokens``.
+        tokens_fn: ``messages -> int`` overriding the default completion length.
+        reasoning, reasoning_tokens: add ``reasoning_content`` (see module doc).
+        faults: ``(body, attempt) -> Fault | None``; may be reassigned at any time.
+        slots: concurrent requests in service (None: unlimited).
+        tokens_per_s: generation speed per slot (None or 0: instant).
+        base_latency_s: extra time a request holds its slot (prefill).
+        max_model_len: if set, ``prompt_tokens + max_tokens`` above it is a 400
+            ``context_length_exceeded``; ``max_tokens`` defaults to what is left.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str = DEFAULT_MODEL,
+        api_key: str | None = None,
+        mean_tokens: int = 40,
+        token_spread: int | None = None,
+        tokens_fn: Callable[[list[dict[str, Any]]], int] | None = None,
+        reasoning: bool = False,
+        reasoning_tokens: int = 8,
+        faults: FaultFn | None = None,
+        slots: int | None = None,
+        tokens_per_s: float | None = None,
+        base_latency_s: float = 0.0,
+        max_model_len: int | None = None,
+        strict_model: bool = False,
+    ) -> None:
+        if slots is not None and slots < 1:
+            raise ValueError("slots must be >= 1 or None")
+        self.model = model
+        self.api_key = api_key
+        self.mean_tokens = mean_tokens
+        self.token_spread = mean_tokens // 4 if token_spread is None else token_spread
+        self.tokens_fn = tokens_fn
+        self.reasoning = reasoning
+        self.reasoning_tokens = reasoning_tokens
+        self.faults = faults
+        self.slots = slots
+        self.tokens_per_s = tokens_per_s
+        self.base_latency_s = base_latency_s
+        self.max_model_len = max_model_len
+        self.strict_model = strict_model
+
+        self._lock = threading.Lock()
+        self._requests: list[dict[str, Any]] = []
+        self._attempts: dict[str, int] = {}
+        self._completed: collections.Counter[str] = collections.Counter()
+        self._stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
+        self._ids = itertools.count(1)
+        self._dropping: set[int] = set()  # ids of requests being dropped on purpose
+        self._semaphore: asyncio.Semaphore | None = None
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # -- public state (thread-safe) ---------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The OpenAI base URL, ``http://127.0.0.1:PORT/v1``."""
+        if self.port is None:
+            raise RuntimeError("server not started")
+        return f"http://{HOST}:{self.port}/v1"
+
+    @property
+    def requests(self) -> list[dict[str, Any]]:
+        """Copies of the JSON bodies of all chat requests received, in order."""
+        with self._lock:
+            return list(self._requests)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """A snapshot of the counters (see ``_STAT_KEYS``)."""
+        with self._lock:
+            return dict(self._stats)
+
+    def attempts(self, messages: Sequence[Any]) -> int:
+        """How many chat requests with exactly these messages were received."""
+        with self._lock:
+            return self._attempts.get(conversation_key(messages), 0)
+
+    def completed_per_conversation(self) -> dict[str, int]:
+        """How many valid completions were sent for each distinct messages list."""
+        with self._lock:
+            return dict(self._completed)
+
+    def reset(self) -> None:
+        """Forget requests, attempts and counters (current gauges are kept)."""
+        with self._lock:
+            self._requests.clear()
+            self._attempts.clear()
+            self._completed.clear()
+            for key in _STAT_KEYS:
+                if key not in ("in_service", "queued"):
+                    self._stats[key] = 0
+            self._stats["max_in_service"] = self._stats["in_service"]
+            self._stats["max_queued"] = self._stats["queued"]
+
+    def completion_tokens_for(self, messages: list[dict[str, Any]]) -> int:
+        """Tokens the fake generates for ``messages`` before any ``max_tokens`` cap."""
+        if self.tokens_fn is not None:
+            return max(0, int(self.tokens_fn(messages)))
+        spread = self.token_spread
+        offset = _hash_int(messages, "tokens") % (2 * spread + 1) - spread if spread > 0 else 0
+        return max(1, self.mean_tokens + offset)
+
+    # -- running -----------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/stats", self._get_stats)
+        app.router.add_post("/stats/reset", self._reset_stats)
+        return app
+
+    async def start(self, port: int = 0, backlog: int = 4096) -> str:
+        """Listen on 127.0.0.1:``port`` (0: any free port); returns :attr:`url`."""
+        self._semaphore = asyncio.Semaphore(self.slots) if self.slots else None
+        runner = web.AppRunner(
+            self.make_app(),
+            handler_cancellation=True,  # client disconnect cancels the handler
+            access_log=None,
+            shutdown_timeout=0.5,
+        )
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, HOST, port, backlog=backlog, reuse_address=True)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    # -- bookkeeping ---------------------------------------------------------
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[key] += n
+
+    def _gauge(self, key: str, delta: int) -> None:
+        with self._lock:
+            value = self._stats[key] + delta
+            self._stats[key] = value
+            if value > self._stats["max_" + key]:
+                self._stats["max_" + key] = value
+
+    # -- handlers ---------------------------------------------------------
+
+    def _unauthorized(self, request: web.Request) -> web.Response | None:
+        if self.api_key is None:
+            return None
+        if request.headers.get("Authorization", "") == f"Bearer {self.api_key}":
+            return None
+        return _error(
+            401,
+            "Incorrect API key provided.",
+            "invalid_request_error",
+            "invalid_api_key",
+        )
+
+    async def _models(self, request: web.Request) -> web.Response:
+        denied = self._unauthorized(request)
+        if denied is not None:
+            return denied
+        model = {"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}
+        if self.max_model_len is not None:
+            model["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _get_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats)
+
+    async def _reset_stats(self, request: web.Request) -> web.Response:
+        self.reset()
+        return web.json_response(self.stats)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self._count("received")
+        try:
+            response = await self._chat_inner(request)
+        except asyncio.CancelledError:
+            # Drop closes the transport, which makes aiohttp cancel the handler too.
+            if id(request) not in self._dropping:
+                self._count("cancelled")
+            raise
+        finally:
+            self._dropping.discard(id(request))
+        if response.status >= 400:
+            self._count("errors")
+        return response
+
+    async def _chat_inner(self, request: web.Request) -> web.StreamResponse:
+        denied = self._unauthorized(request)
+        if denied is not None:
+            return denied
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return _error(400, f"Invalid JSON body: {exc}", "invalid_request_error", 400)
+        if not isinstance(body, dict):
+            return _error(400, "The body must be a JSON object", "invalid_request_error", 400)
+        with self._lock:
+            self._requests.append(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return _error(400, "'messages' must be a non-empty list", "invalid_request_error", 400)
+        if not all(isinstance(m, dict) and "role" in m for m in messages):
+            return _error(400, "each message needs a 'role'", "invalid_request_error", 400)
+        if body.get("stream"):
+            return _error(400, "the fake does not stream", "invalid_request_error", 400)
+        with self._lock:
+            key = conversation_key(messages)
+            attempt = self._attempts.get(key, 0) + 1
+            self._attempts[key] = attempt
+
+        fault = self.faults(body, attempt) if self.faults is not None else None
+        if fault is not None:
+            self._count("faulted")
+        while isinstance(fault, Delay):
+            await asyncio.sleep(fault.seconds)
+            fault = fault.then
+        if isinstance(fault, Status):
+            return self._status_response(fault)
+        if isinstance(fault, MalformedJSON):
+            return web.Response(
+                body=fault.body.encode(), status=200, content_type=fault.content_type
+            )
+        if isinstance(fault, Drop):
+            return await self._drop(request, fault)
+        return await self._complete(body, messages, usage=not isinstance(fault, NoUsage))
+
+    @staticmethod
+    def _status_response(fault: Status) -> web.Response:
+        headers = {}
+        if fault.retry_after is not None:
+            value = fault.retry_after
+            headers["Retry-After"] = str(int(value)) if float(value).is_integer() else str(value)
+        if fault.raw_body is not None:
+            return web.Response(
+                text=fault.raw_body, status=fault.code, headers=headers, content_type="text/html"
+            )
+        return web.json_response(fault.error_body(), status=fault.code, headers=headers)
+
+    async def _drop(self, request: web.Request, fault: Drop) -> web.StreamResponse:
+        self._dropping.add(id(request))
+        self._count("dropped")
+        transport = request.transport
+        if fault.partial:
+            response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+            response.content_length = 4096
+            await response.prepare(request)
+            await response.write(b'{"id": "chatcmpl-partial", "object": "chat.completion", ')
+        if transport is not None:
+            transport.close()
+        # Closing the transport makes aiohttp cancel this handler (handler_cancellation);
+        # the bounded sleep only guards against that not happening.
+        await asyncio.sleep(5.0)
+        raise ConnectionResetError("dropped by fault injection")
+
+    async def _complete(
+        self, body: dict[str, Any], messages: list[dict[str, Any]], *, usage: bool
+    ) -> web.Response:
+        model = body.get("model") or self.model
+        if self.strict_model and model != self.model:
+            return _error(404, f"The model `{model}` does not exist.", "invalid_request_error", 404)
+        prompt_tokens = prompt_tokens_of(messages)
+        limit = body.get("max_completion_tokens")
+        if limit is None:
+            limit = body.get("max_tokens")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            return _error(400, "max_tokens must be an integer", "invalid_request_error", 400)
+        if limit is not None and limit < 1:
+            return _error(400, "max_tokens must be at least 1", "invalid_request_error", 400)
+        if self.max_model_len is not None:
+            wanted = prompt_tokens + (limit or 0)
+            if wanted > self.max_model_len or prompt_tokens >= self.max_model_len:
+                fault = Status.context_length_exceeded(self.max_model_len, wanted)
+                return self._status_response(fault)
+            if limit is None:
+                limit = self.max_model_len - prompt_tokens
+
+        n = self.completion_tokens_for(messages)
+        finish_reason = "stop"
+        if limit is not None and n > limit:
+            n, finish_reason = limit, "length"
+
+        await self._hold_slot(n)
+
+        text = last_user_text(messages)
+        message: dict[str, Any] = {"role": "assistant"}
+        if self.reasoning:
+            n_reasoning = min(self.reasoning_tokens, n)
+            message["content"] = answer_for(text, n - n_reasoning) if n > n_reasoning else None
+            message["reasoning_content"] = reasoning_for(text, n_reasoning)
+        else:
+            message["content"] = answer_for(text, n)
+        reply: dict[str, Any] = {
+            "id": f"chatcmpl-{next(self._ids)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        }
+        if usage:
+            reply["usage"] = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": n,
+                "total_tokens": prompt_tokens + n,
+            }
+        with self._lock:
+            self._completed[conversation_key(messages)] += 1
+            self._stats["completed"] += 1
+            self._stats["completion_tokens"] += n
+            self._stats["prompt_tokens"] += prompt_tokens
+        return web.json_response(reply)
+
+    async def _hold_slot(self, n_tokens: int) -> None:
+        """Wait for a slot (FIFO) and hold it for the simulated generation time."""
+        seconds = self.base_latency_s
+        if self.tokens_per_s:
+            seconds += n_tokens / self.tokens_per_s
+        semaphore = self._semaphore
+        if semaphore is not None:
+            if semaphore.locked():
+                self._gauge("queued", +1)
+                try:
+                    await semaphore.acquire()
+                finally:
+                    self._gauge("queued", -1)
+            else:
+                await semaphore.acquire()
+        try:
+            self._gauge("in_service", +1)
+            try:
+                if seconds > 0:
+                    await asyncio.sleep(seconds)
+            finally:
+                self._gauge("in_service", -1)
+        finally:
+            if semaphore is not None:
+                semaphore.release()
+
+
+class FakeOpenAIServer(FakeOpenAI):
+    """:class:`FakeOpenAI` on its own event loop in a background thread.
+
+    ``with FakeOpenAIServer(**options) as server:`` starts it on 127.0.0.1 with an
+    OS-assigned port (or ``port=``); ``server.url`` is the ``/v1`` base URL.
+    ``start_thread`` / ``stop_thread`` do the same without ``with``.
+    """
+
+    def __init__(self, *, port: int = 0, **options: Any) -> None:
+        super().__init__(**options)
+        self._port_wanted = port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> FakeOpenAIServer:
+        self.start_thread()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop_thread()
+
+    def start_thread(self, timeout: float = 10.0) -> str:
+        if self._thread is not None:
+            raise RuntimeError("already started")
+        loop = asyncio.new_event_loop()
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.start(self._port_wanted))
+            except BaseException as exc:
+                failure.append(exc)
+                started.set()
+                loop.close()
+                return
+            started.set()
+            try:
+                loop.run_forever()
+            finally:
+                _cancel_all(loop)
+                loop.close()
+
+        thread = threading.Thread(target=run, name="fake-openai", daemon=True)
+        thread.start()
+        if not started.wait(timeout):
+            raise TimeoutError("fake OpenAI server did not start")
+        if failure:
+            thread.join(timeout)
+            raise failure[0]
+        self._loop, self._thread = loop, thread
+        return self.url
+
+    def stop_thread(self, timeout: float = 10.0) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.stop(), loop).result(timeout)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout)
+            self._loop = self._thread = None
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.wait(tasks, timeout=2.0))
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+_CLI_FAULTS: dict[str, Callable[[argparse.Namespace], Fault]] = {
+    "500": lambda a: Status.server_error(),
+    "503": lambda a: Status.overloaded(),
+    "429": lambda a: Status.rate_limited(a.retry_after),
+    "408": lambda a: Status.request_timeout(),
+    "drop": lambda a: Drop(),
+    "partial": lambda a: Drop(partial=True),
+    "malformed": lambda a: MalformedJSON(),
+    "no-usage": lambda a: NoUsage(),
+    "delay": lambda a: Delay(a.fault_delay),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Fake OpenAI-compatible chat server on 127.0.0.1 (see module docstring).",
+    )
+    p.add_argument("--port", type=int, default=0, help="port (0: any free port)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--slots", type=int, default=None, help="requests in service at once")
+    p.add_argument("--tokens-per-s", type=float, default=None, help="per-slot speed")
+    p.add_argument("--base-latency-s", type=float, default=0.0)
+    p.add_argument("--mean-tokens", type=int, default=40)
+    p.add_argument("--token-spread", type=int, default=None, help="default mean/4")
+    p.add_argument("--reasoning", action="store_true")
+    p.add_argument("--reasoning-tokens", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--strict-model", action="store_true")
+    p.add_argument("--fault-rate", type=float, default=0.0, help="fraction of conversations")
+    p.add_argument("--fault", choices=sorted(_CLI_FAULTS), default="503")
+    p.add_argument("--fault-attempts", type=int, default=1, help="faulted attempts each")
+    p.add_argument("--fault-delay", type=float, default=30.0, help="seconds, for --fault delay")
+    p.add_argument("--retry-after", type=float, default=None, help="for --fault 429")
+    p.add_argument("--backlog", type=int, default=4096)
+    return p
+
+
+def _raise_fd_limit() -> None:
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = hard if hard != resource.RLIM_INFINITY else 65536
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ImportError, ValueError, OSError):  # pragma: no cover - platform specific
+        pass
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    faults = None
+    if args.fault_rate > 0:
+        faults = hashed_faults(args.fault_rate, _CLI_FAULTS[args.fault](args), args.fault_attempts)
+    server = FakeOpenAI(
+        model=args.model,
+        api_key=args.api_key,
+        mean_tokens=args.mean_tokens,
+        token_spread=args.token_spread,
+        reasoning=args.reasoning,
+        reasoning_tokens=args.reasoning_tokens,
+        faults=faults,
+        slots=args.slots,
+        tokens_per_s=args.tokens_per_s,
+        base_latency_s=args.base_latency_s,
+        max_model_len=args.max_model_len,
+        strict_model=args.strict_model,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    url = await server.start(args.port, backlog=args.backlog)
+    print(f"READY {url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+        print("STATS " + json.dumps(server.stats), file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _raise_fd_limit()
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""engines/ builds the engine generation.backend names, from the generate rule's
+settings (what it produces) and the execution settings (how it runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eagle3data.errors import EngineUnavailable
+from eagle3data.generation.engines import build_engine, is_streaming
+from eagle3data.generation.engines.openai_engine import OpenAIEngine
+from eagle3data.generation.engines.transformers_engine import TransformersEngine
+from eagle3data.generation.settings import execution_settings, generation_settings
+
+SAMPLING = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "max_tokens": 8,
+    "repetition_penalty": 1.0,
+    "stop": [],
+}
+
+
+def config(model: Path | str, **generation: Any) -> dict[str, Any]:
+    gen = {
+        "backend": "transformers",
+        "batch_size": 4,
+        "seed": 7,
+        "device": "cpu",
+        "progress_interval_s": 10,
+        "endpoints": [],
+        "served_model": None,
+        "api_key_env": None,
+        "concurrency": 3,
+        "request_timeout_s": 60,
+        "max_retries": 2,
+        "max_consecutive_failures": 20,
+        "max_error_rate": 0.5,
+        "extra_body": {"min_p": 0.05},
+        "sampling": SAMPLING,
+        **generation,
+    }
+    model_cfg = {"path": str(model), "name": "tiny", "dtype": "auto"}
+    return {"model": {**model_cfg, "chat_template_kwargs": {"thinking": True}}, "generation": gen}
+
+
+def build(cfg: dict[str, Any]) -> Any:
+    return build_engine(generation_settings(cfg), execution_settings(cfg), threads=1)
+
+
+def test_the_openai_backend_is_an_http_engine_with_every_setting() -> None:
+    cfg = config("m", backend="openai", endpoints=["http://a/v1", "http://b/v1"])
+    engine = build(cfg)
+    assert isinstance(engine, OpenAIEngine) and is_streaming("openai")
+    http = engine.settings
+    assert list(http.endpoints) == ["http://a/v1", "http://b/v1"]
+    assert (http.model, http.concurrency, http.request_timeout_s) == ("tiny", 3, 60)
+    assert (http.max_retries, dict(http.extra_body), http.api_key) == (2, {"min_p": 0.05}, None)
+    assert engine.capacity == 6
+    assert (engine.seed, engine.sampling, engine.chat_template_kwargs) == (
+        7,
+        SAMPLING,
+        {"thinking": True},
+    )
+
+
+def test_an_api_key_comes_from_the_named_variable_only(monkeypatch) -> None:
+    cfg = config("m", backend="openai", endpoints=["http://a/v1"], api_key_env="MY_KEY")
+    monkeypatch.delenv("MY_KEY", raising=False)
+    with pytest.raises(EngineUnavailable, match="names 'MY_KEY', which is not set"):
+        build(cfg)
+    monkeypatch.setenv("MY_KEY", "s3cret")
+    assert build(cfg).settings.api_key == "s3cret"
+
+
+def test_the_transformers_backend_is_an_in_process_engine(tiny_model_dir: Path) -> None:
+    engine = build(config(tiny_model_dir))
+    assert isinstance(engine, TransformersEngine) and not is_streaming("transformers")
+    assert engine.sampling == SAMPLING and engine.chat_template_kwargs == {"thinking": True}
+    assert engine.context_length == 512  # the tiny model's max_position_embeddings
+    assert engine.model.device.type == "cpu"
+
+
+def test_an_unknown_backend_is_named() -> None:
+    with pytest.raises(ValueError, match=r"generation\.backend must be one of"):
+        build_engine({"backend": "vllm"}, {})

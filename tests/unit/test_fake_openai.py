@@ -1,0 +1,383 @@
+"""The fake OpenAI server behaves like a real one, and its faults look like real faults."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from support.fake_openai import (
+    Delay,
+    Drop,
+    FakeOpenAIServer,
+    FaultPlan,
+    MalformedJSON,
+    NoUsage,
+    Status,
+    hashed_faults,
+)
+from support.workflow import REPO
+
+FAKE = REPO / "tests" / "support" / "fake_openai.py"
+
+
+def chat(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "messages": [{"role": "user", "content": text}], **extra}
+
+
+def post(
+    url: str, body: dict[str, Any], *, timeout: float = 5.0, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """POST JSON with urllib; HTTP errors are returned, not raised."""
+    request = urllib.request.Request(
+        url + "/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, dict(exc.headers), exc.read()
+
+
+def get_json(url: str, headers: dict[str, str] | None = None) -> Any:
+    request = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_deterministic_replies_and_usage() -> None:
+    with FakeOpenAIServer(mean_tokens=40) as server:
+        assert get_json(server.url + "/models") == {
+            "object": "list",
+            "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": "fake"}],
+        }
+        replies = []
+        for text in ("What is 2 plus 2?", "What is 2 plus 2?", "Name a colour."):
+            status, _, raw = post(server.url, chat(text, temperature=0.7, max_tokens=1000))
+            assert status == 200
+            replies.append(json.loads(raw))
+        first, again, other = replies
+        assert first["object"] == "chat.completion"
+        assert first["model"] == "fake-model"
+        assert first["id"] != again["id"]
+        assert first["choices"] == again["choices"]
+        assert first["usage"] == again["usage"]
+        assert (
+            first["choices"][0]["message"]["content"] != other["choices"][0]["message"]["content"]
+        )
+
+        choice = first["choices"][0]
+        assert choice["index"] == 0
+        assert choice["finish_reason"] == "stop"
+        assert choice["message"]["role"] == "assistant"
+        assert "reasoning_content" not in choice["message"]
+        content = choice["message"]["content"]
+        assert content.startswith("Answer to: What is 2 plus 2? Answer to:")
+        usage = first["usage"]
+        assert usage["completion_tokens"] == len(content.split())
+        assert 30 <= usage["completion_tokens"] <= 50  # 40 ± 40 // 4
+        assert usage["prompt_tokens"] == 5 + 1
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["completion_tokens"] == server.completion_tokens_for(
+            chat("What is 2 plus 2?")["messages"]
+        )
+
+        assert len(server.requests) == 3
+        assert server.requests[0]["temperature"] == 0.7
+        stats = server.stats
+        assert (stats["received"], stats["completed"], stats["errors"]) == (3, 3, 0)
+        assert stats["completion_tokens"] == sum(r["usage"]["completion_tokens"] for r in replies)
+
+
+def test_max_tokens_caps_with_finish_reason_length() -> None:
+    with FakeOpenAIServer(mean_tokens=40, token_spread=0) as server:
+        for field in ("max_tokens", "max_completion_tokens"):
+            reply = json.loads(post(server.url, chat("Hello there", **{field: 3}))[2])
+            assert reply["choices"][0]["finish_reason"] == "length"
+            assert reply["choices"][0]["message"]["content"] == "Answer to: Hello"
+            assert reply["usage"]["completion_tokens"] == 3
+        reply = json.loads(post(server.url, chat("Hello there", max_tokens=40))[2])
+        assert reply["choices"][0]["finish_reason"] == "stop"
+        assert reply["usage"]["completion_tokens"] == 40
+        status, _, raw = post(server.url, chat("Hello there", max_tokens=0))
+        assert status == 400 and "error" in json.loads(raw)
+
+
+def test_reasoning_content_counts_in_completion_tokens() -> None:
+    with FakeOpenAIServer(reasoning=True, reasoning_tokens=4, tokens_fn=lambda m: 10) as server:
+        message = json.loads(post(server.url, chat("Why?"))[2])["choices"][0]["message"]
+        assert message["reasoning_content"] == "Thinking about: Why? Thinking"
+        assert message["content"] == "Answer to: Why? Answer to: Why?"
+        capped = json.loads(post(server.url, chat("Why?", max_tokens=3))[2])
+        assert capped["choices"][0]["message"]["content"] is None
+        assert capped["choices"][0]["message"]["reasoning_content"] == "Thinking about: Why?"
+        assert capped["choices"][0]["finish_reason"] == "length"
+
+
+def test_api_key_required_when_configured() -> None:
+    with FakeOpenAIServer(api_key="sekret") as server:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            status, _, raw = post(server.url, chat("hi"), headers=headers)
+            assert status == 401
+            assert json.loads(raw)["error"]["code"] == "invalid_api_key"
+        status, _, _ = post(server.url, chat("hi"), headers={"Authorization": "Bearer sekret"})
+        assert status == 200
+        with pytest.raises(urllib.error.HTTPError) as info:
+            get_json(server.url + "/models")
+        info.value.close()
+        assert info.value.code == 401
+        assert get_json(server.url + "/models", {"Authorization": "Bearer sekret"})["data"]
+
+
+def test_status_faults_have_openai_error_bodies() -> None:
+    plan = FaultPlan(
+        {
+            "a": [Status.server_error()],
+            "b": [Status.overloaded()],
+            "c": [Status.rate_limited(retry_after=2)],
+            "d": [Status.request_timeout()],
+            "e": [Status.context_length_exceeded(limit=4096, requested=5000)],
+            "f": [Status(502, raw_body="<html>Bad Gateway</html>")],
+        }
+    )
+    with FakeOpenAIServer(faults=plan) as server:
+        seen = {text: post(server.url, chat(text)) for text in "abcdef"}
+        assert {text: s[0] for text, s in seen.items()} == dict(
+            a=500, b=503, c=429, d=408, e=400, f=502
+        )
+        error = json.loads(seen["e"][2])["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["code"] == "context_length_exceeded"
+        assert "maximum context length is 4096 tokens" in error["message"]
+        assert json.loads(seen["a"][2])["error"]["type"] == "server_error"
+        assert json.loads(seen["c"][2])["error"]["code"] == "rate_limit_exceeded"
+        assert seen["c"][1]["Retry-After"] == "2"
+        assert seen["f"][2] == b"<html>Bad Gateway</html>"
+        assert server.stats["errors"] == 6
+        # second attempts succeed
+        assert post(server.url, chat("a"))[0] == 200
+
+
+def test_real_context_length_check() -> None:
+    with FakeOpenAIServer(max_model_len=20, tokens_fn=lambda m: 50) as server:
+        status, _, raw = post(server.url, chat("one two three", max_tokens=30))
+        assert status == 400
+        assert json.loads(raw)["error"]["code"] == "context_length_exceeded"
+        reply = json.loads(post(server.url, chat("one two three"))[2])
+        assert reply["usage"]["completion_tokens"] == 20 - 4
+        assert reply["choices"][0]["finish_reason"] == "length"
+
+
+def test_delay_makes_client_time_out_and_counts_cancelled() -> None:
+    plan = FaultPlan({"slow": [Delay(3.0), Delay(0.2, then=Status.overloaded())]})
+    with FakeOpenAIServer(faults=plan) as server:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            post(server.url, chat("slow"), timeout=0.3)
+        assert time.monotonic() - start < 1.5
+        assert wait_until(lambda: server.stats["cancelled"] == 1)
+        # a delay followed by another fault
+        start = time.monotonic()
+        assert post(server.url, chat("slow"))[0] == 503
+        assert 0.15 < time.monotonic() - start < 2.0
+
+
+def test_drop_malformed_and_no_usage_as_aiohttp_sees_them() -> None:
+    plan = FaultPlan(
+        {"drop": [Drop()], "partial": [Drop(partial=True)], "bad": [MalformedJSON()]},
+        default=[NoUsage()],
+    )
+
+    async def scenario(url: str) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for text in ("drop", "partial", "bad", "fine"):
+                try:
+                    async with session.post(url + "/chat/completions", json=chat(text)) as r:
+                        seen[text] = (r.status, await r.json())
+                except Exception as exc:  # record what the client observes
+                    seen[text] = exc
+        return seen
+
+    with FakeOpenAIServer(faults=plan) as server:
+        seen = asyncio.run(scenario(server.url))
+        assert isinstance(seen["drop"], aiohttp.ClientConnectionError)
+        assert isinstance(seen["partial"], aiohttp.ClientPayloadError)
+        assert isinstance(seen["bad"], json.JSONDecodeError)
+        status, reply = seen["fine"]
+        assert status == 200 and "usage" not in reply
+        assert reply["choices"][0]["message"]["content"].startswith("Answer to: fine")
+        # urllib sees a dropped connection as a connection error too
+        server.faults = lambda body, attempt: Drop()
+        with pytest.raises((ConnectionError, http.client.RemoteDisconnected)):
+            post(server.url, chat("drop"), timeout=5)
+        stats = server.stats
+        assert stats["dropped"] == 3
+        assert stats["cancelled"] == 0
+
+
+def test_attempts_are_counted_per_conversation() -> None:
+    calls: list[tuple[str, int]] = []
+    plan = FaultPlan({"flaky": [Status(503), Status(500), None, Status(429)]})
+
+    def faults(body: dict[str, Any], attempt: int) -> Any:
+        calls.append((body["messages"][-1]["content"], attempt))
+        return plan(body, attempt)
+
+    with FakeOpenAIServer(faults=faults) as server:
+        codes = [post(server.url, chat("flaky"))[0] for _ in range(5)]
+        assert codes == [503, 500, 200, 429, 200]
+        post(server.url, chat("other"))
+        assert calls[-1] == ("other", 1)
+        assert [a for t, a in calls if t == "flaky"] == [1, 2, 3, 4, 5]
+        assert server.attempts(chat("flaky")["messages"]) == 5
+        assert server.attempts(chat("never")["messages"]) == 0
+        # attempts depend on the messages only, not on sampling parameters
+        post(server.url, chat("other", temperature=1.0, max_tokens=3))
+        assert server.attempts(chat("other")["messages"]) == 2
+
+
+def test_hashed_faults_pick_a_stable_fraction() -> None:
+    faults = hashed_faults(0.3, Status.overloaded(), attempts=2)
+    bodies = [chat(f"q{i}") for i in range(1000)]
+    hit = [b for b in bodies if faults(b, 1) is not None]
+    assert 200 < len(hit) < 400
+    assert all(faults(b, 2) is not None and faults(b, 3) is None for b in hit)
+    assert hit == [b for b in bodies if faults(b, 1) is not None]
+
+
+async def _post_many(url: str, bodies: list[dict[str, Any]], timeout: float = 10.0) -> list[Any]:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)
+    ) as session:
+
+        async def one(body: dict[str, Any]) -> Any:
+            async with session.post(url + "/chat/completions", json=body) as response:
+                return await response.json()
+
+        return await asyncio.gather(*(one(b) for b in bodies), return_exceptions=True)
+
+
+def test_capacity_slots_and_speed() -> None:
+    with FakeOpenAIServer(slots=2, tokens_per_s=100, tokens_fn=lambda m: 50) as server:
+        start = time.monotonic()
+        replies = asyncio.run(_post_many(server.url, [chat(f"c{i}") for i in range(4)]))
+        elapsed = time.monotonic() - start
+        assert all(r["usage"]["completion_tokens"] == 50 for r in replies)
+        assert 0.9 < elapsed < 2.0  # two waves of 0.5 s
+        stats = server.stats
+        assert stats["max_in_service"] == 2
+        assert stats["max_queued"] == 2
+        assert (stats["completed"], stats["in_service"], stats["queued"]) == (4, 0, 0)
+        assert stats["completion_tokens"] == 200
+
+
+def test_client_disconnect_frees_the_slot_and_counts_cancelled() -> None:
+    tokens = {"slow": 50, "fast": 1}  # 5 s vs 0.1 s at 10 tokens/s
+    server = FakeOpenAIServer(
+        slots=1, tokens_per_s=10, tokens_fn=lambda m: tokens[m[-1]["content"]]
+    )
+
+    async def scenario(url: str) -> tuple[Any, Any, float]:
+        async def slow() -> Any:
+            timeout = aiohttp.ClientTimeout(total=0.4)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                try:
+                    async with session.post(url + "/chat/completions", json=chat("slow")) as r:
+                        return await r.json()
+                except TimeoutError as exc:
+                    return exc
+
+        async def fast() -> Any:
+            await asyncio.sleep(0.1)  # queue behind the slow request
+            return (await _post_many(url, [chat("fast")]))[0]
+
+        start = time.monotonic()
+        slow_result, fast_result = await asyncio.gather(slow(), fast())
+        return slow_result, fast_result, time.monotonic() - start
+
+    with server:
+        slow_result, fast_result, elapsed = asyncio.run(scenario(server.url))
+        assert isinstance(slow_result, TimeoutError)
+        assert fast_result["usage"]["completion_tokens"] == 1
+        assert elapsed < 2.0  # did not wait 5 s for the abandoned request
+        assert wait_until(lambda: server.stats["cancelled"] == 1)
+        stats = server.stats
+        assert (stats["completed"], stats["max_queued"], stats["in_service"]) == (1, 1, 0)
+
+
+def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            raise TimeoutError("no line from the fake server")
+    return proc.stdout.readline()
+
+
+def test_subprocess_mode_serves_many_connections_and_stops_on_sigterm() -> None:
+    cmd = [sys.executable, str(FAKE), "--port", "0", "--slots", "2000", "--tokens-per-s", "20"]
+    cmd += ["--mean-tokens", "10", "--token-spread", "0", "--model", "m"]
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ)
+    ) as proc:
+        try:
+            line = _read_line(proc, timeout=15)
+            assert line.startswith("READY http://127.0.0.1:")
+            url = line.split()[1]
+            assert url.endswith("/v1")
+            assert get_json(url + "/models")["data"][0]["id"] == "m"
+
+            _raise_own_fd_limit(2500)
+            n = 1000  # all held open at once: each request takes 0.5 s
+            replies = asyncio.run(_post_many(url, [chat(f"p{i}") for i in range(n)], timeout=20))
+            errors = [r for r in replies if isinstance(r, BaseException)]
+            assert not errors, errors[:3]
+            stats = get_json(url.removesuffix("/v1") + "/stats")
+            assert stats["completed"] == n
+            assert stats["max_in_service"] > n // 2
+
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0
+            assert proc.stderr is not None
+            assert '"completed": 1000' in proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _raise_own_fd_limit(wanted: int) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        if hard != resource.RLIM_INFINITY and hard < wanted:
+            pytest.skip(f"open-file limit {hard} too low for 1000 connections")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))

@@ -1,0 +1,350 @@
+"""The SGLang hidden-state backend on CPU: everything but the engine itself.
+
+A small fake stands in for ``sglang.Engine``: it returns what sglang 0.5.23's
+``Engine.generate(..., return_hidden_states=True)`` returns (``meta_info`` with
+``prompt_tokens``, ``cached_tokens`` and ``hidden_states = [prefill rows]``, each
+row ``[aux | last]`` once our forward hook has run). The real engine is checked
+by tests/gpu/check_sglang.py on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from support.workflow import REPO
+
+from eagle3data.hidden_states.backends import build_extractor
+from eagle3data.hidden_states.layers import AuxLayers, resolve_aux_layers
+from eagle3data.hidden_states.sglang_capture import (
+    HOOK_FACTORY,
+    SGLangCapture,
+    SGLangCaptureError,
+    append_last_hidden_states_hook,
+    engine_kwargs,
+    sglang_layer_ids,
+    split_states,
+)
+
+HIDDEN = 8
+LAYERS = 10
+
+
+def rows_for(ids: list[int], width: int) -> torch.Tensor:
+    """Deterministic bf16-representable states: row t of a sample depends on (id, t)."""
+    t = torch.arange(len(ids), dtype=torch.float32)[:, None]
+    col = torch.arange(width, dtype=torch.float32)[None, :]
+    tok = torch.tensor(ids, dtype=torch.float32)[:, None]
+    return ((tok * 0.5 + t * 0.25 - col * 0.125) / 8).to(torch.bfloat16)
+
+
+class FakeEngine:
+    """What the capture needs from sglang.Engine; ``drop_rows`` mimics a radix-cache hit."""
+
+    def __init__(self, kwargs: dict[str, Any], *, drop_rows: int = 0, cached: int = 0) -> None:
+        self.kwargs = dict(kwargs)
+        self.calls: list[dict[str, Any]] = []
+        self.drop_rows = drop_rows
+        self.cached = cached
+        self.closed = False
+
+    def generate(self, **request: Any) -> list[dict[str, Any]]:
+        self.calls.append(request)
+        out = []
+        for ids in request["input_ids"]:
+            rows = rows_for(ids, 4 * HIDDEN)[self.drop_rows :]
+            out.append(
+                {
+                    "output_ids": [0],
+                    "meta_info": {
+                        "prompt_tokens": len(ids),
+                        "cached_tokens": self.cached,
+                        # sglang sends .tolist() of the model-dtype tensor: Python floats.
+                        "hidden_states": [rows.float().tolist()],
+                    },
+                }
+            )
+        return out
+
+    def shutdown(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": LAYERS,
+        "hidden_size": HIDDEN,
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def make_capture(model_dir: Path, **kwargs: Any) -> tuple[SGLangCapture, list[FakeEngine]]:
+    engines: list[FakeEngine] = []
+
+    def factory(engine_args: dict[str, Any]) -> FakeEngine:
+        engines.append(FakeEngine(engine_args, **kwargs))
+        return engines[-1]
+
+    return SGLangCapture(str(model_dir), engine_factory=factory), engines
+
+
+# --- layer ids ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arch", "layer_output", "expected"),
+    [
+        # llama.py: layers_to_capture = [id + 1 ...] always.
+        ("LlamaForCausalLM", (1, 29, 57), [1, 29, 57]),
+        ("Qwen3ForCausalLM", (2, 20, 50), [2, 20, 50]),
+        # deepseek_v2.py (Kimi-K2.x): +1 only when the first id is 1, else as is.
+        ("DeepseekV3ForCausalLM", (1, 29, 57), [1, 29, 57]),
+        ("DeepseekV3ForCausalLM", (2, 30, 57), [3, 31, 58]),
+        ("KimiK25ForConditionalGeneration", (3, 29, 57), [4, 30, 58]),
+    ],
+)
+def test_sglang_layer_ids_capture_the_requested_layer_outputs(arch, layer_output, expected):
+    aux = AuxLayers(layer_output, 61)
+    ids = sglang_layer_ids(aux, [arch])
+    assert ids == expected
+    # What sglang's set_eagle3_layers_to_capture then captures: the input of layer j,
+    # which is the output of layer j - 1 = the layer_output ids we asked for.
+    first_id_rule = arch.startswith(("Deepseek", "Kimi"))
+    captured_inputs = ids if first_id_rule and ids[0] != 1 else [i + 1 for i in ids]
+    assert [j - 1 for j in captured_inputs] == list(layer_output)
+
+
+def test_layer_zero_cannot_be_expressed_for_first_id_rule_models():
+    with pytest.raises(SGLangCaptureError, match="layer 0's output is not expressible"):
+        sglang_layer_ids(AuxLayers((0, 29, 57), 61), ["DeepseekV3ForCausalLM"])
+    assert sglang_layer_ids(AuxLayers((0, 29, 57), 61), ["LlamaForCausalLM"]) == [0, 29, 57]
+
+
+def test_hidden_states_index_config_reaches_sglang_as_layer_outputs():
+    aux = resolve_aux_layers([2, 30, 58], 61, "hidden_states_index")
+    assert sglang_layer_ids(aux, ["LlamaForCausalLM"]) == [1, 29, 57]
+
+
+# --- engine arguments ---------------------------------------------------------------
+
+
+def test_engine_kwargs_turn_off_what_would_shorten_the_rows():
+    kwargs = engine_kwargs(
+        "/m", dtype="bfloat16", layer_ids=[1, 4, 6], options={"tp_size": 8, "ep_size": 8}
+    )
+    assert kwargs["disable_radix_cache"] is True
+    assert kwargs["chunked_prefill_size"] == -1
+    # The hook that adds the final-norm rows must run: prefills stay eager.
+    assert kwargs["disable_prefill_cuda_graph"] is True
+    assert kwargs["enable_return_aux_hidden_states"] is True
+    assert kwargs["speculative_algorithm"] == "EAGLE3"
+    assert kwargs["return_aux_hidden_state_layer_ids"] == [1, 4, 6]
+    assert (kwargs["tp_size"], kwargs["ep_size"]) == (8, 8)
+    assert kwargs["mem_fraction_static"] == 0.8
+    (hook,) = kwargs["forward_hooks"]
+    assert hook["hook_factory"] == HOOK_FACTORY
+    assert hook["target_modules"] == ["logits_processor", "*.logits_processor"]
+
+
+def test_extra_args_pass_through_but_cannot_undo_the_capture_settings():
+    kwargs = engine_kwargs(
+        "/m",
+        dtype="bfloat16",
+        layer_ids=[1, 2, 3],
+        options={"extra_args": {"attention_backend": "fa3"}},
+    )
+    assert kwargs["attention_backend"] == "fa3"
+    with pytest.raises(SGLangCaptureError, match=r"may not set \['disable_radix_cache'\]"):
+        engine_kwargs(
+            "/m",
+            dtype="bfloat16",
+            layer_ids=[1, 2, 3],
+            options={"extra_args": {"disable_radix_cache": False}},
+        )
+
+
+def test_hook_factory_path_resolves_like_sglang_resolves_it():
+    # sglang's hook_manager.resolve_callable: "module:attr" -> import_module + getattr.
+    module_name, attr = HOOK_FACTORY.split(":")
+    assert getattr(importlib.import_module(module_name), attr) is append_last_hidden_states_hook
+
+
+def test_hook_appends_the_final_norm_rows_to_the_aux_rows():
+    hook = append_last_hidden_states_hook({})
+    aux = torch.randn(5, 3 * HIDDEN, dtype=torch.bfloat16)
+    last = torch.randn(5, HIDDEN, dtype=torch.bfloat16)
+    output = SimpleNamespace(hidden_states=aux, last_hidden_states=last)
+    assert hook(None, (), output) is None  # modifies in place
+    assert torch.equal(output.hidden_states, torch.cat([aux, last], dim=-1))
+    assert output.last_hidden_states is None
+    # Decode steps, or no aux capture: nothing to append, output untouched.
+    untouched = SimpleNamespace(hidden_states=aux, last_hidden_states=None)
+    hook(None, (), untouched)
+    assert untouched.hidden_states is aux
+
+
+# --- conversions and checks ---------------------------------------------------------
+
+
+def test_split_states_is_lossless_in_bf16():
+    ids = [5, 9, 2, 7]
+    rows = rows_for(ids, 4 * HIDDEN)
+    out = {"meta_info": {"prompt_tokens": 4, "hidden_states": [rows.float().tolist()]}}
+    aux, last = split_states(out, 4, HIDDEN, torch.bfloat16)
+    assert aux.dtype == last.dtype == torch.bfloat16
+    assert aux.shape == (4, 3 * HIDDEN) and last.shape == (4, HIDDEN)
+    assert torch.equal(torch.cat([aux, last], dim=-1), rows)
+
+
+@pytest.mark.parametrize(
+    ("meta", "match"),
+    [
+        (
+            {"prompt_tokens": 4, "hidden_states": [[[0.0] * 32] * 3]},
+            "3 hidden-state rows for a 4-token",
+        ),
+        (
+            {"prompt_tokens": 4, "cached_tokens": 2, "hidden_states": [[[0.0] * 32] * 4]},
+            "cached_tokens=2",
+        ),
+        (
+            {"prompt_tokens": 4, "hidden_states": [[[0.0] * 24] * 4]},
+            "24 values per token, expected",
+        ),
+        ({"prompt_tokens": 4}, "returned no hidden states"),
+    ],
+)
+def test_split_states_refuses_what_is_not_one_full_row_per_token(meta, match):
+    with pytest.raises(SGLangCaptureError, match=match):
+        split_states({"meta_info": meta}, 4, HIDDEN, torch.bfloat16)
+
+
+# --- the capture with a fake engine -------------------------------------------------
+
+
+def test_capture_has_the_extractor_interface(model_dir):
+    capture, (engine,) = make_capture(model_dir)
+    assert capture.aux.layer_ids == (1, 4, 6)  # [1, L//2-1, L-4] for L=10
+    assert capture.hidden_size == HIDDEN
+    assert capture.dtype == torch.bfloat16
+    assert engine.kwargs["return_aux_hidden_state_layer_ids"] == [1, 4, 6]
+    assert engine.kwargs["dtype"] == "bfloat16"
+    assert engine.kwargs["model_path"] == str(model_dir)
+
+    samples = [[3, 1, 4, 1, 5], [9, 2]]
+    out = capture.forward(samples)
+    (call,) = engine.calls
+    assert call["input_ids"] == samples
+    assert call["sampling_params"] == {"max_new_tokens": 1, "temperature": 0.0}
+    assert call["return_hidden_states"] is True
+    for (aux, last), ids in zip(out, samples, strict=True):
+        expected = rows_for(ids, 4 * HIDDEN)
+        assert aux.device.type == "cpu"
+        assert torch.equal(aux, expected[:, : 3 * HIDDEN])
+        assert torch.equal(last, expected[:, 3 * HIDDEN :])
+    capture.close()
+    assert engine.closed
+    capture.close()  # again at exit: harmless
+
+
+def test_capture_raises_when_the_engine_computed_only_part_of_a_prompt(model_dir):
+    capture, _ = make_capture(model_dir, drop_rows=2)
+    with pytest.raises(SGLangCaptureError, match="3 hidden-state rows for a 5-token sample"):
+        capture.forward([[3, 1, 4, 1, 5]])
+
+
+# --- the factory and the config -----------------------------------------------------
+
+
+def hidden_cfg(**overrides: Any) -> dict[str, Any]:
+    cfg = {
+        "backend": "transformers",
+        "aux_layers": "auto",
+        "aux_layer_convention": "layer_output",
+        "dtype": "auto",
+        "device": "cpu",
+        "sglang": {"tp_size": 2, "ep_size": 2, "mem_fraction_static": 0.7, "extra_args": {}},
+    }
+    return {**cfg, **overrides}
+
+
+def test_factory_builds_the_sglang_backend_with_the_configured_options(model_dir):
+    engines: list[FakeEngine] = []
+    extractor = build_extractor(
+        str(model_dir),
+        hidden_cfg(backend="sglang", dtype="float16"),
+        "auto",
+        sglang_engine_factory=lambda kw: engines.append(FakeEngine(kw)) or engines[-1],
+    )
+    assert isinstance(extractor, SGLangCapture)
+    assert extractor.dtype == torch.float16
+    (engine,) = engines
+    assert (engine.kwargs["tp_size"], engine.kwargs["ep_size"]) == (2, 2)
+    assert engine.kwargs["mem_fraction_static"] == 0.7
+    assert engine.kwargs["dtype"] == "float16"
+
+
+def test_factory_builds_the_transformers_backend(tiny_model_dir):
+    from eagle3data.hidden_states.transformers_capture import HiddenStateExtractor
+
+    extractor = build_extractor(str(tiny_model_dir), hidden_cfg(dtype="float32"), "auto")
+    assert isinstance(extractor, HiddenStateExtractor)
+    ((aux, last),) = extractor.forward([[1, 2, 3]])
+    assert aux.shape == (3, 3 * 64) and last.shape == (3, 64)
+
+
+def test_factory_rejects_an_unknown_backend(model_dir):
+    with pytest.raises(ValueError, match="must be one of"):
+        build_extractor(str(model_dir), hidden_cfg(backend="vllm"), "auto")
+
+
+def test_without_sglang_installed_the_error_says_how_to_install_it(model_dir, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
+    with pytest.raises(SGLangCaptureError, match=r"pip install -e '\.\[gpu\]'"):
+        SGLangCapture(str(model_dir))
+
+
+def test_schema_accepts_the_sglang_backend_and_fills_its_defaults():
+    from snakemake.utils import validate
+
+    schema = REPO / "config" / "schema.yaml"
+    config = {
+        "model": {"path": "/m"},
+        "datasets": {"A1": {"path": "a.jsonl", "format": "prompt"}},
+        "hidden_states": {"backend": "sglang", "sglang": {"tp_size": 8}},
+    }
+    validate(config, str(schema))
+    hidden = config["hidden_states"]
+    assert hidden["gpus_per_job"] == "auto"
+    assert hidden["sglang"] == {
+        "tp_size": 8,
+        "ep_size": 1,
+        "mem_fraction_static": 0.8,
+        "trust_remote_code": False,
+        "extra_args": {},
+    }
+    assert config["gpus"] == {"count": "auto", "lock_timeout_s": 600}
+    assert config["generation"]["gpus_per_job"] == "auto"
+    assert yaml.safe_load(schema.read_text())["properties"]["hidden_states"]["properties"][
+        "backend"
+    ]["enum"] == ["transformers", "sglang"]
+
+
+def test_transformers_backend_on_cpu_ignores_a_multi_gpu_count(tiny_model_dir):
+    from eagle3data.torch_utils import load_causal_lm
+
+    model, _ = load_causal_lm(str(tiny_model_dir), dtype="float32", device="cpu", gpus=4)
+    assert model.device.type == "cpu"
+    assert getattr(model, "hf_device_map", None) is None  # no accelerate dispatch on CPU

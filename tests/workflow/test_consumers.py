@@ -1,0 +1,90 @@
+"""The consumer rules in the workflow: the draft vocabulary over all datasets, and the
+optional SpecForge export of the validated shards."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from support.oracles import check_specforge_consistency, reference_ids
+from support.workflow import Workflow, alpaca_prompts, new_workflow, sharegpt_prompts, write_prompts
+
+from eagle3data.consumers.specforge import specforge_file_name
+from eagle3data.shards import open_shard
+
+pytestmark = pytest.mark.e2e
+
+
+def test_the_default_target_builds_the_vocab_over_all_datasets(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    a1 = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(6))
+    b2 = write_prompts(tmp_path / "B2.jsonl", alpaca_prompts(4))
+    datasets = {
+        "A1": {"path": str(a1), "format": "sharegpt"},
+        "B2": {"path": str(b2), "format": "alpaca"},
+    }
+    wf: Workflow = new_workflow(tmp_path, tiny_model_dir, datasets, draft_vocab={"size": 40})
+    dry = wf.run("-n").stdout
+    assert "draft_vocab" in dry
+    wf.run("results/vocab/draft_vocab.pt")  # needs only the tokenized data
+    assert not wf.path("results/hidden_states/A1/manifest.json").exists()
+    counts: Counter[int] = Counter()
+    for ds in datasets:
+        df = pl.read_parquet(wf.path(f"results/tokenized/{ds}.parquet"))
+        for ids, mask in zip(df["input_ids"].to_list(), df["loss_mask"].to_list(), strict=True):
+            counts.update(t for t, m in zip(ids, mask, strict=True) if m)
+    vocab_size = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    want = reference_ids(counts, 40, vocab_size)
+    mapping = torch.load(wf.path("results/vocab/draft_vocab.pt"), weights_only=True)
+    assert mapping["t2d"].shape == (vocab_size,)
+    assert mapping["t2d"].nonzero().flatten().tolist() == want
+    check_specforge_consistency(mapping["d2t"], mapping["t2d"])
+    summary = json.loads(wf.path("results/vocab/draft_vocab.json").read_text())
+    assert summary["loss_tokens"] == sum(counts.values())
+    assert summary["distinct_loss_tokens"] == len(counts)
+    assert summary["padded_with_unseen_ids"] == max(0, 40 - len(counts))
+    assert wf.path("logs/draft_vocab/draft_vocab.log").read_text().count("draft vocabulary") == 1
+
+
+def test_the_workflow_exports_when_enabled(tmp_path: Path, tiny_model_dir: Path) -> None:
+    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(8))
+    datasets = {"A1": {"path": str(prompts), "format": "sharegpt"}}
+    wf: Workflow = new_workflow(tmp_path, tiny_model_dir, datasets, draft_vocab={"size": 64})
+    manifest_target = "results/hidden_states/A1/manifest.json"
+    wf.run(manifest_target)
+    assert "export_specforge" not in wf.run("-n").stdout, "off by default"
+
+    wf.config["export"] = {"specforge": True}
+    wf.write_config()
+    wf.run()
+    out = wf.path("results/specforge/A1")
+    manifest = json.loads(wf.path(manifest_target).read_text())
+    index = json.loads((out / "index.json").read_text())
+    assert index["num_samples"] == manifest["num_samples"]
+    assert index["attrs"]["aux_layer_ids"] == manifest["attrs"]["aux_layer_ids"]
+    i = 0
+    for entry in manifest["shards"]:
+        with open_shard(wf.path(f"results/hidden_states/A1/{entry['file']}")) as shard:
+            for j in range(shard.num_samples):
+                rows = slice(int(shard.sample_offsets[j]), int(shard.sample_offsets[j + 1]))
+                raw = torch.load(out / specforge_file_name(i), weights_only=True)
+                assert index["samples"][i]["id"] == shard.sample_ids[j]
+                assert raw["input_ids"].tolist() == shard.input_ids[rows].tolist()
+                assert raw["loss_mask"].tolist() == shard.loss_mask[rows].tolist()
+                assert raw["hidden_state"].dtype == torch.bfloat16
+                last = shard.last_hidden_states(rows, as_torch=True)
+                aux = shard.aux_hidden_states(rows, as_torch=True)
+                assert torch.equal(raw["hidden_state"][0].view(torch.int16), last.view(torch.int16))
+                assert torch.equal(
+                    raw["aux_hidden_state"][0].view(torch.int16), aux.view(torch.int16)
+                )
+                i += 1
+    assert i == manifest["num_samples"] > 0
+    assert wf.path("logs/export_specforge/A1.log").read_text().count("conversations") == 1
+    assert wf.plans_nothing()
+    assert not list(wf.path("results/.work/specforge").iterdir())

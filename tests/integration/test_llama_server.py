@@ -31,6 +31,10 @@ pytestmark = pytest.mark.skipif(
 N_CTX = 2048
 QUESTION = "What is the capital of France?"
 STORY = "Write a long story about a dragon."
+# Enough for any short answer to end by itself. Greedy text depends on the CPU's kernels
+# (another machine answers the QUESTION differently, and longer), so no test here asserts
+# what the model says: only properties the client relies on, and same-machine repeats.
+GENEROUS = 256
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,7 @@ def chat(server: LlamaServer, **overrides: Any) -> tuple[int, Any]:
         "model": server.model_name,
         "messages": [{"role": "user", "content": QUESTION}],
         "temperature": 0,
-        "max_tokens": 32,
+        "max_tokens": GENEROUS,
         "seed": 0,
     }
     body.update(overrides)
@@ -69,8 +73,26 @@ def ok(server: LlamaServer, **overrides: Any) -> dict[str, Any]:
     return body
 
 
+def fresh(server: LlamaServer, **overrides: Any) -> dict[str, Any]:
+    """A request that does not directly follow an identical prompt (KV-cache note in
+    llama_server.py): its text is what a fresh server gives."""
+    ok(server, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    return ok(server, **overrides)
+
+
 def content(body: dict[str, Any]) -> str:
     return body["choices"][0]["message"]["content"]
+
+
+def assert_consistent(body: dict[str, Any], max_tokens: int) -> None:
+    """finish_reason agrees with completion_tokens against max_tokens, as the driver
+    assumes when it records truncation."""
+    finish = body["choices"][0]["finish_reason"]
+    usage = body["usage"]
+    assert finish in ("stop", "length"), finish
+    assert 0 < usage["completion_tokens"] <= max_tokens
+    assert (finish == "length") == (usage["completion_tokens"] == max_tokens), body
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
 def tokenize(server: LlamaServer, text: str) -> list[int]:
@@ -87,7 +109,7 @@ def detokenize(server: LlamaServer, tokens: list[int]) -> str:
 
 @pytest.fixture(scope="module")
 def baseline(server: LlamaServer) -> dict[str, Any]:
-    return ok(server)
+    return fresh(server)
 
 
 # -- start-up -------------------------------------------------------------------------
@@ -119,30 +141,26 @@ def test_greedy_chat_completion(baseline: dict[str, Any]) -> None:
     assert baseline["model"] == "smollm2"
     choice = baseline["choices"][0]
     assert choice["message"]["role"] == "assistant"
-    assert choice["finish_reason"] == "stop"
-    assert "Paris" in choice["message"]["content"]
-    usage = baseline["usage"]
-    assert usage["prompt_tokens"] > 0
-    assert 0 < usage["completion_tokens"] < 32
-    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert choice["message"]["content"].strip()
+    assert baseline["usage"]["prompt_tokens"] > 0
+    assert_consistent(baseline, GENEROUS)
+    assert choice["finish_reason"] == "stop", "a short question ends by itself"
 
 
 def test_max_tokens_gives_length(server: LlamaServer) -> None:
-    body = ok(server, max_tokens=3)
+    body = ok(server, messages=[{"role": "user", "content": STORY}], max_tokens=3)
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 3
 
 
 def test_greedy_is_deterministic(server: LlamaServer, baseline: dict[str, Any]) -> None:
-    """The same request twice gives the same text. In general that holds when the
-    request does not directly follow an identical prompt (see the KV-cache note in
-    llama_server.py); for this prompt it holds back to back as well."""
+    """The same request gives the same text on the same machine, when it does not
+    directly follow an identical prompt (see the KV-cache note in llama_server.py)."""
     ok(server, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     after_other = ok(server)
-    again = ok(server)  # back to back: only the last prompt token is re-evaluated
     ok(server, messages=[{"role": "system", "content": "Be terse."}], max_tokens=4)
     after_system = ok(server)
-    for body in (after_other, again, after_system):
+    for body in (after_other, after_system):
         assert content(body) == content(baseline)
         assert body["usage"] == baseline["usage"]
 
@@ -174,10 +192,14 @@ def test_seeded_sampling_repeats(server: LlamaServer) -> None:
 def test_completion_tokens_exclude_the_end_token(
     server: LlamaServer, baseline: dict[str, Any]
 ) -> None:
+    """An answer of n counted tokens fits max_tokens=n with nothing cut: the end token
+    that stopped it is not counted (the in-process engine counts it: README)."""
     assert baseline["choices"][0]["finish_reason"] == "stop"
-    # /extras/tokenize adds no BOS for this model ("Hi" is one token).
-    assert len(tokenize(server, "Hi")) == 1
-    assert len(tokenize(server, content(baseline))) == baseline["usage"]["completion_tokens"]
+    n = baseline["usage"]["completion_tokens"]
+    capped = fresh(server, max_tokens=n)
+    assert content(capped) == content(baseline)
+    assert capped["usage"]["completion_tokens"] == n
+    assert capped["choices"][0]["finish_reason"] == "length"  # the end token would be n + 1
 
 
 def test_usage_matches_the_hf_tokenizer(
@@ -192,8 +214,9 @@ def test_usage_matches_the_hf_tokenizer(
     assert "You are a helpful AI assistant named SmolLM" in prompt  # default system prompt
     prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
     assert baseline["usage"]["prompt_tokens"] == len(prompt_ids)
-    completion_ids = tok(content(baseline), add_special_tokens=False)["input_ids"]
-    assert baseline["usage"]["completion_tokens"] == len(completion_ids)
+    # The two tokenizers agree on the answer's text (/extras/tokenize adds no BOS).
+    answer = content(baseline)
+    assert tokenize(server, answer) == tok(answer, add_special_tokens=False)["input_ids"]
 
 
 # -- fields ---------------------------------------------------------------------------
@@ -202,7 +225,7 @@ def test_usage_matches_the_hf_tokenizer(
 def test_unknown_fields_are_accepted_and_ignored(
     server: LlamaServer, baseline: dict[str, Any]
 ) -> None:
-    body = ok(
+    body = fresh(
         server,
         chat_template_kwargs={"enable_thinking": False},
         repetition_penalty=1.0,
@@ -212,12 +235,15 @@ def test_unknown_fields_are_accepted_and_ignored(
     assert content(body) == content(baseline)
 
 
-def test_default_repeat_penalty_is_not_one(server: LlamaServer, baseline: dict[str, Any]) -> None:
+def test_default_repeat_penalty_is_not_one(server: LlamaServer) -> None:
     """llama.cpp applies repeat_penalty 1.1 unless told otherwise; `repetition_penalty`
-    (the vLLM/SGLang name) does not reach it, `repeat_penalty` does."""
-    plain = ok(server, repeat_penalty=1.0)
-    assert content(plain) != content(baseline)
-    assert content(ok(server, repetition_penalty=1.0)) == content(baseline)
+    (the vLLM/SGLang name) does not reach it, `repeat_penalty` does. A long story repeats
+    words, so the penalty shows in its text whatever the machine's kernels."""
+    story = {"messages": [{"role": "user", "content": STORY}], "max_tokens": 64}
+    default = content(fresh(server, **story))
+    assert content(fresh(server, repeat_penalty=1.1, **story)) == default
+    assert content(fresh(server, repetition_penalty=1.0, **story)) == default
+    assert content(fresh(server, repeat_penalty=1.0, **story)) != default
 
 
 def test_multi_turn_history_with_extra_keys(server: LlamaServer) -> None:
@@ -294,9 +320,12 @@ def test_max_tokens_is_clamped_to_the_context(
     body = ok(server, messages=[{"role": "user", "content": text}], max_tokens=100)
     usage = body["usage"]
     assert usage["prompt_tokens"] == n_prompt
-    assert body["choices"][0]["finish_reason"] == "length"
-    assert usage["completion_tokens"] == N_CTX - n_prompt < 100
-    assert usage["total_tokens"] == N_CTX
+    # No error: max_tokens is cut to what the context has left. (The model usually keeps
+    # counting to the end; where it stops earlier, the cut is not reached.)
+    room = N_CTX - n_prompt
+    assert_consistent(body, room)
+    if body["choices"][0]["finish_reason"] == "length":
+        assert usage["total_tokens"] == N_CTX
 
 
 # -- concurrency ----------------------------------------------------------------------
@@ -312,7 +341,7 @@ def test_concurrent_requests_are_queued(
             "model": server.model_name,
             "messages": [{"role": "user", "content": QUESTION}],
             "temperature": 0,
-            "max_tokens": 32,
+            "max_tokens": GENEROUS,
             "seed": 0,
         }
         start = time.monotonic()
@@ -330,7 +359,8 @@ def test_concurrent_requests_are_queued(
 
     single, results, wall = asyncio.run(run())
     assert all(status == 200 for _, status, _ in results)
-    assert {content(p) for _, _, p in results} == {content(baseline)}
+    for _, _, payload in results:  # texts may differ: identical prompts follow each other
+        assert_consistent(payload, GENEROUS)
     latencies = sorted(lat for lat, _, _ in results)
     with capsys.disabled():
         print(

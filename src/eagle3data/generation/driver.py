@@ -424,8 +424,9 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
                     log.warning("%s: %s (will retry later)", run.order[pos], exc)
                     continue
                 finished.append(record)
-                failures.record(failed=is_failed(record))
-                if record["status"] == "failed":
+                failed = is_failed(record)
+                failures.record(failed=failed)
+                if failed:
                     log.warning("%s: failed: %s", record["id"], record["error"])
             if finished:
                 run.commit(finished)

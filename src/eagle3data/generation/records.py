@@ -153,5 +153,7 @@ def summarise_lines(chunk: bytes) -> pl.DataFrame:
 
 
 def summarise(records: Iterable[Mapping[str, Any]]) -> pl.DataFrame:
-    """:func:`summarise_lines` of records in memory (read the same way as on disk)."""
-    return summarise_lines("".join(dumps_line(r) for r in records).encode())
+    """:func:`summarise_lines` of records in memory (read the same way as on disk); only
+    the fields it reads are serialised, not the conversations' text."""
+    fields = [{k: r[k] for k in RECORD_SCHEMA if k in r} for r in records]
+    return summarise_lines("".join(dumps_line(f) for f in fields).encode())

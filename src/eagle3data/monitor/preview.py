@@ -60,12 +60,22 @@ def model_bytes_per_token(config: Mapping[str, Any]) -> int | None:
 def estimate_hidden_states(
     config: Mapping[str, Any], dataset: str, results: Results | None = None
 ) -> HiddenStateEstimate:
-    results = results or Results()
+    per_token = model_bytes_per_token(config)
+    # Without the model there is no journal key, and nothing to estimate in bytes.
+    progress = generation_progress(config, dataset, results) if per_token is not None else None
+    return estimate_from(config, dataset, progress, per_token)
+
+
+def estimate_from(
+    config: Mapping[str, Any],
+    dataset: str,
+    progress: DatasetProgress | None,
+    per_token: int | None,
+) -> HiddenStateEstimate:
+    """The estimate for a dataset whose progress (None: prompts not prepared) is known."""
     ds_cfg = config["datasets"][dataset]
     budget, max_samples = ds_cfg.get("token_budget"), ds_cfg.get("max_samples")
-    per_token = model_bytes_per_token(config)
-    progress = generation_progress(config, dataset, results) if per_token is not None else None
-    if progress is None or progress.basis == "nothing yet":
+    if per_token is None or progress is None or progress.basis == "nothing yet":
         if budget is None:
             return HiddenStateEstimate(dataset, "unknown", max_samples, None, per_token)
         return HiddenStateEstimate(dataset, "lower bound", None, budget, per_token)
@@ -138,12 +148,11 @@ def preview_lines(config: Mapping[str, Any], results: Results | None = None) -> 
     """The dry run's summary: generation still to do, then hidden-state bytes per
     dataset, their total and the free disk."""
     results = results or Results()
+    progress = {ds: generation_progress(config, ds, results) for ds in config["datasets"]}
     lines = ["Generation (from the journals; see README, 'Dry run'):"]
-    lines += [
-        generation_line(config, ds, generation_progress(config, ds, results))
-        for ds in config["datasets"]
-    ]
-    estimates = [estimate_hidden_states(config, ds, results) for ds in config["datasets"]]
+    lines += [generation_line(config, ds, progress[ds]) for ds in config["datasets"]]
+    per_token = model_bytes_per_token(config)
+    estimates = [estimate_from(config, ds, progress[ds], per_token) for ds in config["datasets"]]
     lines.append("Hidden-state estimate (from the files on disk):")
     for e in estimates:
         if e.bytes_per_token is None:

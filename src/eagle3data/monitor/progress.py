@@ -63,6 +63,7 @@ class DatasetProgress:
     """The budget prefix so far and an estimate of the whole, for one dataset."""
 
     selection: Selection
+    prompts: int  # in the dataset's seeded order
     conversations: int  # in the prefix decided so far
     completion_tokens: int  # of those
     conversation_tokens: int  # their full lengths, capped at max_seq_len
@@ -112,7 +113,17 @@ def dataset_progress(
 
     def result(convs: int, total: int, basis: str) -> DatasetProgress:
         return DatasetProgress(
-            sel, done, sel.tokens, tokens, generated, failed, convs, total, basis, records
+            sel,
+            len(order),
+            done,
+            sel.tokens,
+            tokens,
+            generated,
+            failed,
+            convs,
+            total,
+            basis,
+            records,
         )
 
     if sel.complete:

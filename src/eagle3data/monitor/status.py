@@ -28,14 +28,12 @@ from ..layout import (
     SHARD,
     SHARD_PLAN,
     SKIPPED_PROMPTS,
-    STATUS_CACHE,
     TOKENIZED,
     Results,
 )
-from ..prompts.table import prompt_order
 from ..units import duration, human_bytes
-from .preview import estimate_hidden_states, journal_path, model_bytes_per_token
-from .progress import dataset_progress, file_lines, journal_summary
+from .preview import estimate_from, generation_progress, model_bytes_per_token
+from .progress import file_lines
 
 RATE_WINDOW_S = 600.0  # the rate is measured over the last ten minutes
 
@@ -111,29 +109,13 @@ def dataset_status(
     now = time.time() if now is None else now
     ds_cfg = config["datasets"][dataset]
     budget = ds_cfg.get("token_budget")
-    prompts_file = results.path(PROMPTS, dataset=dataset)
-    prompts = None
-    progress = None
-    if prompts_file.exists():
-        order, hashes = prompt_order(prompts_file)
-        prompts = len(order)
-        summary = journal_summary(
-            journal_path(config, dataset, results), results.path(STATUS_CACHE)
-        )
-        progress = dataset_progress(
-            order,
-            hashes,
-            summary,
-            token_budget=budget,
-            max_samples=ds_cfg.get("max_samples"),
-            max_seq_len=int(config["hidden_states"]["max_seq_len"]),
-        )
+    progress = generation_progress(config, dataset, results)
     plan_file = results.path(SHARD_PLAN, dataset=dataset)
     shards_planned, bytes_estimated = None, None
     if plan_file.exists():
         plan = json.loads(plan_file.read_text())
         shards_planned, bytes_estimated = len(plan["shards"]), int(plan["estimated_bytes"])
-    estimate = estimate_hidden_states(config, dataset, results)
+    estimate = estimate_from(config, dataset, progress, model_bytes_per_token(config))
     if bytes_estimated is None:
         bytes_estimated = estimate.bytes
     shard_files = results.shard_files(dataset)
@@ -157,7 +139,7 @@ def dataset_status(
     return DatasetStatus(
         dataset=dataset,
         stage=_stage(results, dataset, ds_cfg),
-        prompts=prompts,
+        prompts=None if progress is None else progress.prompts,
         skipped_input=file_lines(results.path(SKIPPED_PROMPTS, dataset=dataset)),
         failed=failed,
         conversations_done=done,

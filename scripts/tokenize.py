@@ -18,6 +18,10 @@ run_step(
     model_path=str(Path(snakemake.input.model).parent),
     chat_template_kwargs=settings["chat_template_kwargs"],
     max_seq_len=settings["max_seq_len"],
+    reasoning=settings["reasoning"],
+    # Whether the model's own code may run decides whether it loads, not what it writes:
+    # from the config, not params (a rerun trigger).
+    trust_remote_code=snakemake.config["model"]["trust_remote_code"],
     out_tokenized=snakemake.output.tokenized,
     out_stats=snakemake.output.stats,
 )

@@ -4,38 +4,44 @@ Everything that turns a conversation into model input goes through this module, 
 responses we generate, the hidden states we dump and the loss mask the draft model trains
 on all come from the same rendered text.
 
-How the loss mask is derived
-----------------------------
+How the training samples and loss masks are derived
+---------------------------------------------------
 Chat templates differ too much (headers, BOS, injected think blocks, reasoning that is
 dropped from history) to find assistant text by splitting on a marker string. Instead the
-template itself tells us where each assistant turn starts and ends:
+template itself tells us what the target saw and what it produced, turn by turn:
 
-1. ``R = render(messages, add_generation_prompt=False)`` is the text we tokenize.
-2. For assistant turn ``i``, ``P_i = render(messages[:i], add_generation_prompt=True)`` is
-   the prompt the model saw when it produced that turn. The turn starts at
-   ``start_i = lcp(R, P_i)`` (longest common prefix, at most ``len(P_i)``), so the
-   generation prompt (``<|im_start|>assistant\\n``, Llama-3's header, the empty
-   ``<think>\\n\\n</think>\\n\\n`` that Qwen3 injects when ``enable_thinking=False``) is
-   not supervised, while everything the model produced after it is.
-3. ``F_i = render(messages[:i + 1], add_generation_prompt=False)`` renders turn ``i`` as
+1. For assistant turn ``i``, ``P_i = render(messages[:i], add_generation_prompt=True)`` is
+   the prompt the target saw when it produced that turn (the engines render exactly
+   this), so the generation prompt (``<|im_start|>assistant\\n``, Llama-3's header, the
+   ``<think>`` that Kimi-K2.5 opens, the empty ``<think>\\n\\n</think>\\n\\n`` that Qwen3
+   injects with ``enable_thinking=False``) is never supervised.
+2. ``F_i = render(messages[:i + 1], add_generation_prompt=False)`` renders turn ``i`` as
    the last message and ``X_i = F_i[lcp(F_i, P_i):]`` is the text the template writes for
    that turn's output: reasoning block, content, end-of-turn token, trailing newline.
-   Usually ``R`` continues with exactly ``X_i`` at ``start_i``. Templates such as Qwen3's
-   render history turns differently (they drop ``<think>...</think>`` of assistant turns
-   before the last user message), so we use the longest suffix ``s`` of ``X_i`` with
-   ``R[start_i:].startswith(s)``; the span is ``[start_i, start_i + len(s))``. If no
-   non-empty suffix matches, the spans cannot be derived and ``ChatTemplateError`` names
-   the turn.
-4. ``R`` is tokenized once with offsets; a token is supervised (mask 1) iff its character
-   span overlaps an assistant span: ``token_end > start and token_start < end``.
+   Kimi-K2.5 renders even the last turn as history (``<think></think>content``): when the
+   reasoning is missing from ``X_i`` and ``X_i`` starts with ``</think>`` (the prompt
+   opened the block), the reasoning goes in front of it, which is what the model wrote.
+3. ``R = render(messages, add_generation_prompt=False)`` is the whole conversation. Turn
+   ``i`` starts at ``start_i = lcp(R, P_i)``; if ``R`` continues there with all of
+   ``X_i`` for every turn, the conversation is **one sample**: ``R`` with those spans.
+4. Otherwise the template renders history differently from the generation-time view
+   (Qwen3 and Kimi-K2.5 drop the reasoning of history turns, so ``R`` lacks what the
+   target produced): the conversation becomes **one sample per assistant turn**,
+   ``P_i + X_i`` with ``X_i`` supervised, as SpecForge's expand-reasoning script does.
+   Each sample is then exactly the target's view when it produced that turn.
+5. Each sample is tokenized once by the target's own tokenizer; a token is supervised
+   (mask 1) iff its character span overlaps a supervised span. Fast tokenizers give the
+   offsets; for slow ones (Kimi's tiktoken) see :func:`tokenize_text`.
 
-The mask therefore covers exactly what the template renders for an assistant turn after
-its generation prompt, e.g. ``"Paris is the capital.<|im_end|>\\n"`` for ChatML.
+``reasoning="drop"`` removes ``reasoning_content`` before all this, for a draft that
+serves the target with thinking off; then most conversations are one sample.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,19 +53,29 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
+    "REASONING_MODES",
     "ChatTemplateError",
     "Message",
+    "RenderedSample",
     "TokenizedConversation",
-    "assistant_char_spans",
     "chat_template_hash",
+    "opens_reasoning",
     "render",
+    "split_reasoning",
     "tokenize_conversation",
+    "tokenize_text",
     "tokenizer_hash",
+    "training_samples",
 ]
 
 Message = Mapping[str, Any]
 
 _ROLES = frozenset({"system", "user", "assistant"})
+
+REASONING_MODES = ("keep", "drop")
+# The think tags of every thinking family we serve (Kimi-K2.x, Qwen3, DeepSeek-R1).
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
 
 # Names that ``apply_chat_template`` consumes itself: as template variables they would
 # clash with our own arguments or be silently swallowed instead of reaching the template.
@@ -87,11 +103,23 @@ _VOLATILE_BACKEND_KEYS = ("truncation", "padding")
 
 
 @dataclass(frozen=True)
+class RenderedSample:
+    """One training text and the character spans of what the target produced in it."""
+
+    text: str
+    spans: list[tuple[int, int]]
+    # None: the whole conversation; else the index of the one assistant message trained.
+    turn: int | None
+
+
+@dataclass(frozen=True)
 class TokenizedConversation:
     input_ids: list[int]
     # 1 on tokens the draft learns (assistant output incl. its end-of-turn token), else 0.
     loss_mask: list[int]
     num_tokens_before_truncation: int
+    # As in RenderedSample: None for the whole conversation, else one assistant turn.
+    turn: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.loss_mask):
@@ -122,39 +150,50 @@ def render(
     return _render(tokenizer, conversation, add_generation_prompt, extra)
 
 
-def assistant_char_spans(
+def training_samples(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Message],
     *,
     chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> tuple[str, list[tuple[int, int]]]:
-    """Return the full render and one ``(start, end)`` character span per assistant turn.
+    reasoning: str = "keep",
+) -> list[RenderedSample]:
+    """The texts a conversation is trained as, with the spans the draft learns.
 
-    See the module docstring for how the spans are derived.
+    One sample for the whole conversation when its render holds every assistant turn
+    exactly as produced; otherwise one sample per assistant turn (see the module
+    docstring). ``reasoning="drop"`` removes ``reasoning_content`` first, for a draft
+    that serves the target with thinking off.
     """
+    if reasoning not in REASONING_MODES:
+        raise ValueError(f"reasoning must be one of {list(REASONING_MODES)}, got {reasoning!r}")
     conversation = _validated(messages)
+    if reasoning == "drop":
+        conversation = [
+            {k: v for k, v in m.items() if k != "reasoning_content"} for m in conversation
+        ]
     extra = _template_kwargs(chat_template_kwargs)
     full = _render(tokenizer, conversation, False, extra)
 
+    turns: list[tuple[int, str, str]] = []  # (message index, prompt, produced text)
     spans: list[tuple[int, int]] = []
+    whole = True
     for i, message in enumerate(conversation):
         if message["role"] != "assistant":
             continue
         prompt = _render(tokenizer, conversation[:i], True, extra)
-        start = _common_prefix_len(full, prompt)
-
         as_last = _render(tokenizer, conversation[: i + 1], False, extra)
-        output = as_last[_common_prefix_len(as_last, prompt) :]
-
-        length = _longest_suffix_at(output, full, start)
-        if length == 0:
-            raise ChatTemplateError(
-                f"turn {i} (assistant): cannot locate its rendered output in the full "
-                f"conversation; the template renders it as {output[:80]!r} when it is the "
-                f"last turn, but the full render continues with {full[start : start + 80]!r}"
-            )
+        produced = _with_reasoning(i, message, as_last[_common_prefix_len(as_last, prompt) :])
+        turns.append((i, prompt, produced))
+        start = _common_prefix_len(full, prompt)
+        length = _longest_suffix_at(produced, full, start)
         spans.append((start, start + length))
-    return full, spans
+        whole = whole and length == len(produced)
+    if whole:
+        return [RenderedSample(full, spans, None)]
+    return [
+        RenderedSample(prompt + produced, [(len(prompt), len(prompt) + len(produced))], i)
+        for i, prompt, produced in turns
+    ]
 
 
 def tokenize_conversation(
@@ -163,33 +202,93 @@ def tokenize_conversation(
     *,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     max_seq_len: int | None = None,
-) -> TokenizedConversation:
-    """Tokenize a conversation once and mark the tokens of every assistant turn."""
+    reasoning: str = "keep",
+) -> list[TokenizedConversation]:
+    """Tokenize each training sample of a conversation once and mark what the target
+    produced (see :func:`training_samples`)."""
     if max_seq_len is not None and max_seq_len < 1:
         raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len}")
-    if not getattr(tokenizer, "is_fast", False):
-        # Offsets are what tie tokens back to the character spans.
-        raise TypeError(
-            f"{type(tokenizer).__name__} is not a fast tokenizer; the loss mask needs "
-            "return_offsets_mapping, which only tokenizers-backed (fast) tokenizers provide"
+    out: list[TokenizedConversation] = []
+    for sample in training_samples(
+        tokenizer, messages, chat_template_kwargs=chat_template_kwargs, reasoning=reasoning
+    ):
+        input_ids, loss_mask = tokenize_text(tokenizer, sample.text, sample.spans)
+        total = len(input_ids)
+        if max_seq_len is not None:
+            input_ids = input_ids[:max_seq_len]
+            loss_mask = loss_mask[:max_seq_len]
+        out.append(
+            TokenizedConversation(
+                input_ids=input_ids,
+                loss_mask=loss_mask,
+                num_tokens_before_truncation=total,
+                turn=sample.turn,
+            )
         )
+    return out
 
-    text, spans = assistant_char_spans(
-        tokenizer, messages, chat_template_kwargs=chat_template_kwargs
-    )
+
+def tokenize_text(
+    tokenizer: PreTrainedTokenizerBase, text: str, spans: Sequence[tuple[int, int]]
+) -> tuple[list[int], list[int]]:
+    """The tokenizer's own ids for ``text`` and a mask of the tokens inside ``spans``.
+
+    Fast tokenizers give character offsets. Slow ones (Kimi's tiktoken tokenizer) give
+    none, so the text is encoded piece by piece between span boundaries; the pieces
+    must concatenate to the encoding of the whole text, which proves each token lies
+    on one side of every boundary. If a token straddles one, token bytes (tiktoken)
+    place it instead; a tokenizer that offers neither stops with an error.
+    """
     # The template already wrote BOS and friends; letting the tokenizer add them again
     # would duplicate them and shift every offset.
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(encoding["input_ids"])
-    loss_mask = _overlap_mask(encoding["offset_mapping"], spans)
+    if getattr(tokenizer, "is_fast", False):
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoding["input_ids"]), _overlap_mask(encoding["offset_mapping"], spans)
+    input_ids = _encode(tokenizer, text)
+    bounds = sorted({0, len(text), *(b for span in spans for b in span)})
+    piece_ids: list[int] = []
+    piece_mask: list[int] = []
+    for a, b in itertools.pairwise(bounds):
+        ids = _encode(tokenizer, text[a:b])
+        inside = any(s <= a and b <= e for s, e in spans)
+        piece_ids.extend(ids)
+        piece_mask.extend([int(inside)] * len(ids))
+    if piece_ids == input_ids:
+        return input_ids, piece_mask
+    offsets = _char_offsets_from_bytes(tokenizer, input_ids, text)
+    if offsets is None:
+        raise ChatTemplateError(
+            f"{type(tokenizer).__name__} gives no character offsets and a token crosses "
+            f"the boundary of an assistant turn; the loss mask cannot be derived"
+        )
+    return input_ids, _overlap_mask(offsets, spans)
 
-    total = len(input_ids)
-    if max_seq_len is not None:
-        input_ids = input_ids[:max_seq_len]
-        loss_mask = loss_mask[:max_seq_len]
-    return TokenizedConversation(
-        input_ids=input_ids, loss_mask=loss_mask, num_tokens_before_truncation=total
-    )
+
+def opens_reasoning(prompt: str) -> bool:
+    """Whether a rendered generation prompt leaves the model inside a think block
+    (Kimi-K2.5 ends it with ``<think>``; ``<think></think>`` is thinking off)."""
+    tail = prompt.rstrip()
+    return tail.endswith(THINK_OPEN)
+
+
+def split_reasoning(prompt: str, completion: str) -> tuple[str | None, str]:
+    """``(reasoning_content, content)`` of a completion, as the servers' reasoning
+    parsers (SGLang ``kimi_k2``, ``qwen3``, ``deepseek-r1``) write them.
+
+    Reasoning runs from the think block's start (in the prompt, or ``<think>`` at the
+    completion's start) to ``</think>``; a completion cut off inside it is all
+    reasoning. Like the parsers, the reasoning is stripped of surrounding whitespace
+    before the split and the content after it. No think block: ``(None, completion)``.
+    """
+    opened_here = completion.lstrip().startswith(THINK_OPEN)
+    if not opens_reasoning(prompt) and not opened_here:
+        return None, completion
+    text = completion.replace(THINK_OPEN, "", 1) if opened_here else completion
+    text = text.strip()
+    if THINK_CLOSE not in text:
+        return text, ""
+    reasoning, content = text.split(THINK_CLOSE, 1)
+    return reasoning, content.strip()
 
 
 def chat_template_hash(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -334,6 +433,55 @@ def _overlap_mask(
         if token_end > span_start and token_start < span_end:
             mask[t] = 1
     return mask
+
+
+def _with_reasoning(i: int, message: Mapping[str, Any], produced: str) -> str:
+    """The turn's output as the target produced it, reasoning included.
+
+    Kimi-K2.5 renders even the last assistant turn as history (``<think></think>``),
+    so its reasoning is missing from ``produced``; the prompt opened the think block,
+    so what the model wrote is the reasoning followed by the rendered ``</think>...``.
+    """
+    reasoning = message.get("reasoning_content")
+    if not reasoning or reasoning.strip() in produced:
+        return produced
+    if produced.startswith(THINK_CLOSE):
+        return reasoning + produced
+    raise ChatTemplateError(
+        f"turn {i} (assistant): has reasoning_content, but the chat template renders "
+        f"none of it and opens no think block for it (renders {produced[:80]!r}); "
+        f"set tokenize.reasoning: drop to train on the answers only"
+    )
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _char_offsets_from_bytes(
+    tokenizer: PreTrainedTokenizerBase, input_ids: Sequence[int], text: str
+) -> list[tuple[int, int]] | None:
+    """Character ``(start, end)`` of each token from its bytes, for tiktoken-backed
+    tokenizers (``tokenizer.model.decode_single_token_bytes``); None if unavailable or
+    if the bytes do not spell ``text``. A token ending inside a multi-byte character
+    counts as covering that character."""
+    token_bytes = getattr(getattr(tokenizer, "model", None), "decode_single_token_bytes", None)
+    if token_bytes is None:
+        return None
+    pieces = [token_bytes(i) for i in input_ids]
+    if b"".join(pieces) != text.encode("utf-8"):
+        return None
+    # char_starts[k] = byte offset of character k (plus the end).
+    char_starts = list(itertools.accumulate((len(c.encode("utf-8")) for c in text), initial=0))
+    offsets: list[tuple[int, int]] = []
+    position = 0
+    for piece in pieces:
+        end = position + len(piece)
+        first = bisect.bisect_right(char_starts, position) - 1
+        last = bisect.bisect_left(char_starts, end)
+        offsets.append((first, max(first, last)))
+        position = end
+    return offsets
 
 
 def _template_text(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,25 +29,3 @@ def dtype_name(dtype: torch.dtype) -> str:
 def set_threads(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
-
-
-def load_causal_lm(path: str | Path, *, dtype: str, device: str, gpus: int = 1) -> tuple[Any, Any]:
-    """Load (model, tokenizer) from a local directory, eval mode, no hub access.
-
-    ``gpus > 1`` spreads the layers over every visible GPU (``device_map="auto"``,
-    accelerate), for a target larger than one GPU; the GPU slot lock has already
-    made only this job's GPUs visible.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    torch_dtype = resolve_dtype(dtype, config)
-    if gpus > 1 and resolve_device(device).type == "cuda":
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, local_files_only=True, device_map="auto"
-        ).eval()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
-        model.to(resolve_device(device)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model, tokenizer

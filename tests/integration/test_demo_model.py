@@ -83,7 +83,7 @@ def test_loss_mask_on_the_real_chat_template(smollm2_dir: Path) -> None:
         {"role": "user", "content": "Another one?"},
         {"role": "assistant", "content": "Green."},
     ]
-    tok = tokenize_conversation(tokenizer, messages)
+    (tok,) = tokenize_conversation(tokenizer, messages)  # ChatML: one sample
     supervised = [t for t, m in zip(tok.input_ids, tok.loss_mask, strict=True) if m]
     assert tokenizer.decode(supervised) == "Blue.<|im_end|>\nGreen.<|im_end|>\n"
     # The default system prompt and the user turns are never supervised.

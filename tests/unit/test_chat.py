@@ -19,11 +19,13 @@ from support.workflow import REPO
 from eagle3data.chat import (
     ChatTemplateError,
     TokenizedConversation,
-    assistant_char_spans,
     chat_template_hash,
     render,
+    split_reasoning,
     tokenize_conversation,
+    tokenize_text,
     tokenizer_hash,
+    training_samples,
 )
 
 SRC = REPO / "src"
@@ -82,9 +84,24 @@ def supervised_runs(tokenizer, tokenized: TokenizedConversation) -> list[str]:
     return [decode(tokenizer, run) for run in runs]
 
 
+def assistant_char_spans(tokenizer, messages, **kwargs) -> tuple[str, list[tuple[int, int]]]:
+    """The whole-conversation sample's text and spans (asserting there is one sample)."""
+    (sample,) = training_samples(tokenizer, messages, **kwargs)
+    assert sample.turn is None
+    return sample.text, sample.spans
+
+
+def one_sample(tokenizer, messages, **kwargs) -> TokenizedConversation:
+    (tokenized,) = tokenize_conversation(tokenizer, messages, **kwargs)
+    return tokenized
+
+
 def check(tokenizer, messages, expected_runs: list[str], **kwargs) -> TokenizedConversation:
-    """Tokenize and assert the supervised text is exactly ``expected_runs``."""
-    tokenized = tokenize_conversation(tokenizer, messages, **kwargs)
+    """Tokenize as one sample and assert the supervised text is exactly ``expected_runs``."""
+    tokenized = one_sample(tokenizer, messages, **kwargs)
+    assert tokenized.turn is None
+    if kwargs.get("reasoning") == "drop":
+        messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
     # The mask is meaningful only if the ids reproduce the rendered text exactly.
     full = render(
         tokenizer,
@@ -185,7 +202,7 @@ def test_empty_assistant_content_still_supervises_end_of_turn():
 
 def test_conversation_without_assistant_turn_has_empty_mask():
     tok = fx.smollm2()
-    tokenized = tokenize_conversation(tok, [user(USER_1)])
+    tokenized = one_sample(tok, [user(USER_1)])
     assert tokenized.num_loss_tokens == 0
     assert set(tokenized.loss_mask) == {0}
     assert tokenized.input_ids
@@ -300,7 +317,27 @@ def test_qwen3_thinking_mode_without_reasoning_supervises_the_empty_think_block(
     )
 
 
-def test_qwen3_history_reasoning_is_dropped_and_history_mask_is_exact():
+def check_per_turn(tokenizer, messages, produced: dict[int, str], **kwargs) -> None:
+    """One sample per assistant turn: the generation-time prompt, then exactly what the
+    turn produced, and only that supervised."""
+    samples = tokenize_conversation(tokenizer, messages, **kwargs)
+    assert [s.turn for s in samples] == list(produced)
+    template_kwargs = kwargs.get("chat_template_kwargs")
+    for sample in samples:
+        prompt = render(
+            tokenizer,
+            messages[: sample.turn],
+            add_generation_prompt=True,
+            chat_template_kwargs=template_kwargs,
+        )
+        assert decode(tokenizer, sample.input_ids) == prompt + produced[sample.turn]
+        assert supervised_runs(tokenizer, sample) == [produced[sample.turn]]
+        assert len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) == (
+            sample.loss_mask.index(1)
+        )
+
+
+def test_qwen3_history_reasoning_dropped_by_the_template_makes_one_sample_per_turn():
     tok = fx.qwen3()
     messages = [
         system(),
@@ -311,18 +348,36 @@ def test_qwen3_history_reasoning_is_dropped_and_history_mask_is_exact():
         user(USER_3),
         assistant(ANSWER_3, reasoning=REASONING),
     ]
-    text, _ = assistant_char_spans(tok, messages)
-    assert "First thought." not in text
-    assert "Second thought." not in text
-    check(
+    full = render(tok, messages, add_generation_prompt=False)
+    assert "First thought." not in full
+    assert "Second thought." not in full
+    check_per_turn(
         tok,
         messages,
-        [
-            f"{ANSWER_1}<|im_end|>\n",
-            f"{ANSWER_2}<|im_end|>\n",
-            f"<think>\n{REASONING}\n</think>\n\n{ANSWER_3}<|im_end|>\n",
-        ],
+        {
+            2: f"<think>\nFirst thought.\n</think>\n\n{ANSWER_1}<|im_end|>\n",
+            4: f"<think>\nSecond thought.\n</think>\n\n{ANSWER_2}<|im_end|>\n",
+            6: f"<think>\n{REASONING}\n</think>\n\n{ANSWER_3}<|im_end|>\n",
+        },
     )
+
+
+def test_qwen3_reasoning_dropped_by_the_user_is_one_sample():
+    tok = fx.qwen3()
+    messages = [
+        user(USER_1),
+        assistant(ANSWER_1, reasoning="First thought."),
+        user(USER_2),
+        assistant(ANSWER_2, reasoning=REASONING),
+    ]
+    tokenized = check(
+        tok,
+        messages,
+        [f"{ANSWER_1}<|im_end|>\n", f"{ANSWER_2}<|im_end|>\n"],
+        reasoning="drop",
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    assert "thought" not in decode(tok, tokenized.input_ids)
 
 
 def test_qwen3_history_inline_reasoning_and_empty_content():
@@ -335,14 +390,14 @@ def test_qwen3_history_inline_reasoning_and_empty_content():
         user(USER_3),
         assistant(ANSWER_3),
     ]
-    check(
+    check_per_turn(
         tok,
         messages,
-        [
-            f"{ANSWER_1}<|im_end|>\n",
-            "<|im_end|>\n",
-            f"<think>\n\n</think>\n\n{ANSWER_3}<|im_end|>\n",
-        ],
+        {
+            1: f"<think>\nFirst thought.\n</think>\n\n{ANSWER_1}<|im_end|>\n",
+            3: "<think>\n\n</think>\n\n<|im_end|>\n",
+            5: f"<think>\n\n</think>\n\n{ANSWER_3}<|im_end|>\n",
+        },
     )
 
 
@@ -360,19 +415,19 @@ def test_qwen3_non_thinking_multi_turn():
 
 
 def test_truncation_cuts_ids_and_mask_together():
-    tok = fx.qwen3()
+    tok = fx.smollm2()
     messages = three_turns()
-    full = tokenize_conversation(tok, messages)
+    full = one_sample(tok, messages)
     assert full.num_tokens_before_truncation == len(full.input_ids)
 
     cut = len(full.input_ids) // 2
-    short = tokenize_conversation(tok, messages, max_seq_len=cut)
+    short = one_sample(tok, messages, max_seq_len=cut)
     assert short.input_ids == full.input_ids[:cut]
     assert short.loss_mask == full.loss_mask[:cut]
     assert short.num_tokens_before_truncation == len(full.input_ids)
     assert 0 < short.num_loss_tokens < full.num_loss_tokens
 
-    roomy = tokenize_conversation(tok, messages, max_seq_len=10 * len(full.input_ids))
+    roomy = one_sample(tok, messages, max_seq_len=10 * len(full.input_ids))
     assert roomy == full
 
 
@@ -394,12 +449,32 @@ REDACTING_TEMPLATE = (
 )
 
 
-def test_underivable_spans_raise_naming_the_turn():
+def test_history_the_template_rewrites_is_trained_turn_by_turn():
     tok = fx.make_tokenizer(REDACTING_TEMPLATE, "smollm2")
-    # Single-turn works: the last turn is rendered verbatim.
+    # Single-turn: the last turn is rendered verbatim, one sample.
     check(tok, [user(USER_1), assistant(ANSWER_1)], [f"{ANSWER_1}<|im_end|>\n"])
-    with pytest.raises(ChatTemplateError, match=r"turn 1 \(assistant\)"):
-        tokenize_conversation(tok, three_turns())
+    # The full render holds "[redacted]" for turns 1 and 3: each turn is its own sample.
+    check_per_turn(
+        tok,
+        three_turns(),
+        {
+            1: f"{ANSWER_1}<|im_end|>\n",
+            3: f"{ANSWER_2}<|im_end|>\n",
+            5: f"{ANSWER_3}<|im_end|>\n",
+        },
+    )
+
+
+def test_reasoning_a_template_cannot_place_is_an_error_naming_the_turn():
+    # ChatML renders no reasoning and opens no think block: keeping it is impossible.
+    with pytest.raises(ChatTemplateError, match=r"turn 1 \(assistant\).*reasoning: drop"):
+        tokenize_conversation(fx.smollm2(), [user(USER_1), assistant(ANSWER_1, REASONING)])
+    check(
+        fx.smollm2(),
+        [user(USER_1), assistant(ANSWER_1, REASONING)],
+        [f"{ANSWER_1}<|im_end|>\n"],
+        reasoning="drop",
+    )
 
 
 @pytest.mark.parametrize(
@@ -437,7 +512,7 @@ def test_reserved_template_kwargs_are_rejected():
 
 
 class _SlowTokenizer:
-    """Stands in for a Python (slow) tokenizer: renders fine but has no offsets."""
+    """A Python (slow) tokenizer stand-in: the same ids as ``inner``, but no offsets."""
 
     is_fast = False
 
@@ -447,10 +522,62 @@ class _SlowTokenizer:
     def apply_chat_template(self, *args, **kwargs):
         return self._inner.apply_chat_template(*args, **kwargs)
 
+    def encode(self, text, add_special_tokens=True):
+        return self._inner.encode(text, add_special_tokens=add_special_tokens)
 
-def test_slow_tokenizer_is_rejected_with_a_clear_error():
-    with pytest.raises(TypeError, match="not a fast tokenizer"):
-        tokenize_conversation(_SlowTokenizer(fx.smollm2()), three_turns())
+
+def test_slow_tokenizer_masks_equal_the_offset_masks():
+    fast = fx.qwen3()
+    slow = _SlowTokenizer(fast)
+    messages = [system(), *three_turns()]
+    messages[-1] = assistant(ANSWER_3, reasoning=REASONING)
+    assert tokenize_conversation(slow, messages) == tokenize_conversation(fast, messages)
+    messages[2] = assistant(ANSWER_1, reasoning="First thought.")  # now one sample per turn
+    per_turn = tokenize_conversation(slow, messages)
+    assert len(per_turn) == 3
+    assert per_turn == tokenize_conversation(fast, messages)
+
+
+class _TiktokenTokenizer:
+    """A slow tokenizer on a tiktoken Encoding, like Kimi's: bytes, but no offsets."""
+
+    is_fast = False
+
+    def __init__(self, merges: list[bytes]):
+        import tiktoken
+
+        ranks = {bytes([i]): i for i in range(256)}
+        ranks.update({m: 256 + k for k, m in enumerate(merges)})
+        self.model = tiktoken.Encoding(
+            name="test", pat_str=r"[^\n]+|\n", mergeable_ranks=ranks, special_tokens={}
+        )
+
+    def encode(self, text, add_special_tokens=True):
+        return self.model.encode(text)
+
+
+def test_a_token_across_a_span_boundary_is_placed_by_its_bytes():
+    tok = _TiktokenTokenizer([b"ab", "é".encode()[:1] + b"x"])
+    # "ab" is one token, the span starts between "a" and "b": the token overlaps it.
+    ids, mask = tokenize_text(tok, "xxab", [(3, 4)])
+    assert ids == tok.encode("xxab")
+    assert len(ids) == 3
+    assert mask == [0, 0, 1]
+    # A character of two bytes split across tokens belongs to both.
+    ids, mask = tokenize_text(tok, "aé", [(1, 2)])
+    assert ids == tok.encode("aé")
+    assert mask == [0] + [1] * (len(ids) - 1)
+
+
+def test_a_slow_tokenizer_without_bytes_across_a_boundary_is_an_error():
+    class Pairs:
+        is_fast = False
+
+        def encode(self, text, add_special_tokens=True):
+            return [hash(text[i : i + 2]) for i in range(0, len(text), 2)]
+
+    with pytest.raises(ChatTemplateError, match="crosses the boundary"):
+        tokenize_text(Pairs(), "xxab", [(3, 4)])
 
 
 # --------------------------------------------------------------------------- hashes
@@ -504,3 +631,24 @@ def test_tokenizer_hash_is_stable_across_save_and_processes(tmp_path):
         timeout=120,
     )
     assert result.stdout.split() == [expected, chat_template_hash(tok)]
+
+
+# --------------------------------------------------------------------------- reasoning split
+
+
+@pytest.mark.parametrize(
+    ("prompt", "completion", "expected"),
+    [
+        # Kimi-K2.5: the prompt opened the block, the model closes it.
+        ("<|im_middle|><think>", "Hmm, 2+2.</think>It is 4.", ("Hmm, 2+2.", "It is 4.")),
+        # Qwen3 thinking: the model opens it itself; whitespace as the parsers strip it.
+        ("assistant\n", "<think>\nHmm.\n</think>\n\nFour.", ("Hmm.\n", "Four.")),
+        # Cut off while thinking: all reasoning, no content.
+        ("<|im_middle|><think>", "Still thinking", ("Still thinking", "")),
+        # Thinking off (Kimi) or a template without thinking: untouched.
+        ("<|im_middle|><think></think>", "Four.", (None, "Four.")),
+        ("assistant\n", "Four.</think>", (None, "Four.</think>")),
+    ],
+)
+def test_split_reasoning_as_the_servers_parsers_do(prompt, completion, expected):
+    assert split_reasoning(prompt, completion) == expected

@@ -109,7 +109,9 @@ def test_an_empty_dataset_validates_to_an_empty_manifest(tmp_path: Path) -> None
     from eagle3data.hidden_states.validation import validate
 
     (tmp_path / "responses.jsonl").write_text("")
-    pl.DataFrame({"id": []}, schema={"id": pl.String}).write_parquet(tmp_path / "t.parquet")
+    from eagle3data.tokenization.table import write_tokenized
+
+    write_tokenized(tmp_path / "t.parquet", {})
     (tmp_path / "t.stats.json").write_text(json.dumps({"dropped": [], "loss_tokens": 0}))
     (tmp_path / "plan.json").write_text(json.dumps({"shards": [], "hidden_size": 8}))
     validate(
@@ -212,3 +214,23 @@ def test_a_shard_is_never_extracted_from_rows_its_spec_does_not_describe(tmp_pat
             out_shard=str(tmp_path / "hs" / "shard-00000.h5"),
         )
     assert not (tmp_path / "hs" / "shard-00000.h5").exists()
+
+
+def test_sample_ids_are_checked_against_the_responses() -> None:
+    from eagle3data.hidden_states.validation import sample_id_errors
+
+    def rows(*samples: tuple[int, str, int | None]) -> pl.DataFrame:
+        index, ids, turns = zip(*samples, strict=True)
+        schema = {"index": pl.UInt32, "id": pl.String, "turn": pl.UInt32}
+        return pl.DataFrame({"index": index, "id": ids, "turn": turns}, schema=schema)
+
+    responses = ["a", "b", "c"]
+    dropped_c = [{"id": "c", "index": 2, "reason": "truncated"}]
+    # a whole, b per turn with one of its samples dropped, c dropped entirely.
+    good = rows((0, "a", None), (1, "b#3", 3))
+    assert sample_id_errors(good, responses, [*dropped_c, {"id": "b#1", "index": 1}]) == []
+    assert "neither tokenized nor recorded" in sample_id_errors(good, responses, [])[0]
+    assert "does not belong" in sample_id_errors(rows((0, "b", None)), ["a"], [])[0]
+    assert "not unique" in sample_id_errors(rows((0, "a", None), (0, "a", None)), ["a"], [])[0]
+    swapped = rows((1, "b", None), (0, "a", None))
+    assert "not in response order" in sample_id_errors(swapped, ["a", "b"], [])[0]

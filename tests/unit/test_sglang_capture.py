@@ -332,7 +332,6 @@ def test_schema_accepts_the_sglang_backend_and_fills_its_defaults():
         "tp_size": 8,
         "ep_size": 1,
         "mem_fraction_static": 0.8,
-        "trust_remote_code": False,
         "extra_args": {},
     }
     assert config["gpus"] == {"count": "auto", "lock_timeout_s": 600}
@@ -343,8 +342,10 @@ def test_schema_accepts_the_sglang_backend_and_fills_its_defaults():
 
 
 def test_transformers_backend_on_cpu_ignores_a_multi_gpu_count(tiny_model_dir):
-    from eagle3data.torch_utils import load_causal_lm
+    from eagle3data.target import load_causal_lm
 
-    model, _ = load_causal_lm(str(tiny_model_dir), dtype="float32", device="cpu", gpus=4)
+    model, _ = load_causal_lm(
+        str(tiny_model_dir), dtype="float32", device="cpu", gpus=4, trust_remote_code=False
+    )
     assert model.device.type == "cpu"
     assert getattr(model, "hf_device_map", None) is None  # no accelerate dispatch on CPU

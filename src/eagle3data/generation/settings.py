@@ -31,6 +31,7 @@ _MODEL_TEXT_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "chat_template.json",
+    "tiktoken.model",  # Kimi's BPE ranks (its tokenizer is code: the *.py files below)
 )
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
@@ -57,6 +58,8 @@ def model_fingerprint(model_path: str | Path) -> str:
         f = root / name
         if f.is_file():
             parts[name] = hashlib.sha256(f.read_bytes()).hexdigest()
+    for f in sorted(root.glob("*.py")):  # remote code: tokenizer, config, modeling
+        parts[f.name] = hashlib.sha256(f.read_bytes()).hexdigest()
     parts["weights"] = sorted(
         (f.name, f.stat().st_size)
         for f in root.iterdir()
@@ -86,8 +89,13 @@ def generation_settings(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def execution_settings(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``generation.*`` settings that only say how to run (see EXECUTION_KEYS)."""
-    return {key: config["generation"][key] for key in EXECUTION_KEYS if key in config["generation"]}
+    """The ``generation.*`` settings that only say how to run (see EXECUTION_KEYS), and
+    whether the model's own code may be loaded (``model.trust_remote_code``: it decides
+    whether the model loads at all, never what it generates)."""
+    gen = config["generation"]
+    execution = {key: gen[key] for key in EXECUTION_KEYS if key in gen}
+    execution["trust_remote_code"] = config["model"].get("trust_remote_code", False)
+    return execution
 
 
 def served_model(config: Mapping[str, Any]) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 from ..atomic import atomic_path, write_json, write_jsonl
 from ..layout import JOURNAL, Results
 from ..prompts.table import iter_prompts
+from ..target import check_remote_code
 from .driver import ErrorLimits, GenerationJob, Prompt, run_generation, write_outputs
 from .engines import build_engine, is_streaming
 from .records import summarise
@@ -36,6 +37,8 @@ def generate(
 ) -> None:
     """``settings``: what changes the output (the rule's params, see :mod:`.settings`);
     ``execution``: how to run it (device, endpoints, concurrency, error limits)."""
+    # Before any server is asked: tokenize will need the target's own tokenizer.
+    check_remote_code(settings["model_path"], execution.get("trust_remote_code", False))
     key = generation_key(settings, model_fingerprint(settings["model_path"]))
     journal = (results or Results()).path(JOURNAL, dataset=dataset, key=key)
     describe_journal(journal, settings)

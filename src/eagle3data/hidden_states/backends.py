@@ -56,12 +56,14 @@ def build_extractor(
     *,
     sglang_engine_factory: Callable[[Mapping[str, Any]], Any] | None = None,
 ) -> Extractor:
-    """The backend of ``hidden_cfg`` (the ``hidden_states`` config section)."""
+    """The backend of ``hidden_cfg`` (the ``hidden_states`` config section, plus
+    ``trust_remote_code`` from ``model``)."""
     backend = hidden_cfg.get("backend", "transformers")
     common: dict[str, Any] = {
         "aux_layers": hidden_cfg["aux_layers"],
         "convention": hidden_cfg["aux_layer_convention"],
         "dtype": hidden_state_dtype(hidden_cfg, model_dtype),
+        "trust_remote_code": bool(hidden_cfg.get("trust_remote_code", False)),
     }
     if backend == "transformers":
         from .transformers_capture import HiddenStateExtractor

@@ -27,6 +27,14 @@ from .planning import shard_spec
 if TYPE_CHECKING:
     import torch
 
+# How conversations became samples (chat module docstring), for the people who train.
+SAMPLES_ATTR = (
+    "one sample per conversation; one per assistant turn ({id}#{turn}, turn = message "
+    "index) when the chat template renders history differently from the generation-time "
+    "view (e.g. drops history reasoning): each sample is the prompt the target saw plus "
+    "the turn it produced, and only that turn is supervised"
+)
+
 log = logging.getLogger(__name__)
 
 
@@ -149,6 +157,8 @@ def extract_shard(
         "final_state": "post_norm",
         "final_state_description": "output of the model's final norm (the lm_head input)",
         "max_seq_len": tok_stats["max_seq_len"],
+        "reasoning": tok_stats["reasoning"],
+        "samples": SAMPLES_ATTR,
         "compute_dtype": dtype,
         **extractor.aux.as_attrs(),
     }

@@ -21,8 +21,12 @@ def hidden_state_settings(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def execution_settings(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``hidden_states.*`` settings that only say how to run (see EXECUTION_KEYS)."""
-    return {k: v for k, v in config["hidden_states"].items() if k in EXECUTION_KEYS}
+    """The ``hidden_states.*`` settings that only say how to run (see EXECUTION_KEYS),
+    and whether the model's own code may be loaded (``model.trust_remote_code``: it
+    decides whether the model loads at all, never what the states are)."""
+    execution = {k: v for k, v in config["hidden_states"].items() if k in EXECUTION_KEYS}
+    execution["trust_remote_code"] = config["model"].get("trust_remote_code", False)
+    return execution
 
 
 def hidden_state_dtype(hidden_cfg: Mapping[str, Any], model_dtype: str) -> str:

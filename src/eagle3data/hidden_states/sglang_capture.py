@@ -31,6 +31,7 @@ import torch
 
 from .. import model_config
 from ..errors import SGLangCaptureError
+from ..target import check_remote_code
 from ..torch_utils import TORCH_DTYPES
 from .layers import AuxLayers, resolve_aux_layers
 
@@ -56,7 +57,6 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "tp_size": 1,
     "ep_size": 1,
     "mem_fraction_static": 0.8,
-    "trust_remote_code": False,
     "extra_args": {},
 }
 
@@ -91,6 +91,7 @@ def engine_kwargs(
     dtype: str,
     layer_ids: Sequence[int],
     options: Mapping[str, Any],
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """``sglang.Engine`` arguments (``ServerArgs`` field names) of a capture engine."""
     opts = {**DEFAULT_OPTIONS, **options}
@@ -100,7 +101,8 @@ def engine_kwargs(
         "tp_size": int(opts["tp_size"]),
         "ep_size": int(opts["ep_size"]),
         "mem_fraction_static": float(opts["mem_fraction_static"]),
-        "trust_remote_code": bool(opts["trust_remote_code"]),
+        # model.trust_remote_code: SGLang loads the tokenizer and config as we do.
+        "trust_remote_code": bool(trust_remote_code),
         # A radix-cache hit computes (and returns) only the uncached suffix.
         "disable_radix_cache": True,
         # Chunked prefill keeps only the last chunk's rows.
@@ -208,8 +210,10 @@ class SGLangCapture:
         convention: str = "layer_output",
         dtype: str = "auto",
         options: Mapping[str, Any] | None = None,
+        trust_remote_code: bool = False,
         engine_factory: Callable[[Mapping[str, Any]], Any] = start_engine,
     ) -> None:
+        check_remote_code(model_path, trust_remote_code)
         config = model_config.read_model_config(model_path)
         depth = model_config.num_hidden_layers(config)
         self.aux: AuxLayers = resolve_aux_layers(aux_layers, depth, convention)
@@ -221,6 +225,7 @@ class SGLangCapture:
             dtype=dtype_name,
             layer_ids=sglang_layer_ids(self.aux, model_config.architectures(config)),
             options=options or {},
+            trust_remote_code=trust_remote_code,
         )
         log.info(
             "starting sglang capture engine: tp_size=%d ep_size=%d aux layer outputs %s",

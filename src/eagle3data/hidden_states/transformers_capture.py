@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..model_config import hidden_size, num_hidden_layers
-from ..torch_utils import load_causal_lm
+from ..target import load_causal_lm
 from .layers import AuxLayers, resolve_aux_layers
 
 
@@ -35,9 +35,10 @@ class HiddenStateExtractor:
         dtype: str = "auto",
         device: str = "auto",
         gpus: int = 1,
+        trust_remote_code: bool = False,
     ) -> None:
         self.model, self.tokenizer = load_causal_lm(
-            model_path, dtype=dtype, device=device, gpus=gpus
+            model_path, dtype=dtype, device=device, gpus=gpus, trust_remote_code=trust_remote_code
         )
         self.base = self.model.get_decoder()
         self.aux: AuxLayers = resolve_aux_layers(

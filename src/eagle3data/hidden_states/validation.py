@@ -13,6 +13,7 @@ import polars as pl
 from ..atomic import write_json
 from ..errors import ValidationError
 from ..shards import open_shard, validate_shard
+from ..tokenization.table import sample_id_of
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +24,40 @@ CHECKS = [
     "all hidden states finite",
     "every sample has at least one loss token",
     "ids unique and equal to the planned slice of the tokenized data",
-    "tokenized ids equal the response ids minus recorded drops",
+    "tokenized samples are the responses in order, each trained (whole or per assistant "
+    "turn) or recorded as dropped",
 ]
+
+
+def sample_id_errors(
+    rows: pl.DataFrame, response_ids: list[str], dropped: list[dict[str, Any]]
+) -> list[str]:
+    """Check that the tokenized samples are the responses, in order, each response
+    either trained (as one sample or one per assistant turn) or recorded as dropped."""
+    errors: list[str] = []
+    ids = rows["id"].to_list()
+    if len(set(ids)) != len(ids):
+        errors.append("sample ids are not unique")
+    indices = rows["index"].to_list()
+    if indices != sorted(indices):
+        errors.append("samples are not in response order")
+    for index, sample_id, turn in rows.iter_rows():
+        if not 0 <= index < len(response_ids):
+            errors.append(f"sample {sample_id!r} names response index {index}, which is absent")
+            break
+        # Whole conversation, or one of its per-turn samples (tokenization.table).
+        one, per_turn = (sample_id_of(response_ids[index], turn, n) for n in (1, 2))
+        if sample_id not in (one, per_turn):
+            errors.append(f"sample {sample_id!r} does not belong to response {index}")
+            break
+    covered = set(indices) | {d.get("index") for d in dropped}
+    missing = [i for i in range(len(response_ids)) if i not in covered]
+    if missing:
+        errors.append(
+            f"{len(missing)} response(s) neither tokenized nor recorded as dropped "
+            f"(first: {response_ids[missing[0]]!r})"
+        )
+    return errors
 
 
 def validate(
@@ -39,16 +72,12 @@ def validate(
 ) -> None:
     plan = json.loads(Path(plan_path).read_text())
     tok_stats = json.loads(Path(tokenize_stats_path).read_text())
-    tokenized = pl.read_parquet(tokenized_path, columns=["id"])["id"].to_list()
+    rows = pl.read_parquet(tokenized_path, columns=["index", "id", "turn"])
+    tokenized = rows["id"].to_list()
     with open(responses_path, encoding="utf-8") as fh:
         response_ids = [json.loads(line)["id"] for line in fh]
-    dropped = {d["id"] for d in tok_stats["dropped"]}
-    errors: list[str] = []
-    if [i for i in response_ids if i not in dropped] != tokenized:
-        errors.append(
-            f"{tokenized_path}: ids differ from {responses_path} minus the "
-            f"{len(dropped)} conversations dropped at tokenization"
-        )
+    errors = sample_id_errors(rows, response_ids, tok_stats["dropped"])
+    errors = [f"{tokenized_path}: {e} (responses: {responses_path})" for e in errors]
     if len(shard_paths) != len(plan["shards"]):
         errors.append(f"expected {len(plan['shards'])} shards, got {len(shard_paths)}")
     shards = []

@@ -14,4 +14,5 @@ def tokenize_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "chat_template_kwargs": config["model"]["chat_template_kwargs"],
         "max_seq_len": config["hidden_states"]["max_seq_len"],
+        "reasoning": config["tokenize"]["reasoning"],
     }

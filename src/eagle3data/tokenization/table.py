@@ -1,8 +1,10 @@
 """``results/tokenized/{dataset}.parquet``: one dataset's conversations as model input.
 
-One row per response that has something to learn, in response order: ``index`` (the
-response's position in the seeded order), ``id``, ``input_ids`` (int32), ``loss_mask``
-(uint8, 1 on what the target produced), ``num_tokens`` and ``truncated`` (cut at
+One row per training sample that has something to learn, in response order: ``index``
+(the response's position in the seeded order), ``id`` (the sample id, see
+:func:`sample_id_of`), ``turn`` (null for a whole conversation, else the index of the
+one assistant message the sample trains), ``input_ids`` (int32), ``loss_mask`` (uint8,
+1 on what the target produced), ``num_tokens`` and ``truncated`` (cut at
 ``max_seq_len``). Shard planning, extraction and the draft vocabulary read it back here.
 """
 
@@ -19,6 +21,7 @@ from ..atomic import atomic_path
 SCHEMA = {
     "index": pl.UInt32,
     "id": pl.String,
+    "turn": pl.UInt32,
     "input_ids": pl.List(pl.Int32),
     "loss_mask": pl.List(pl.UInt8),
     "num_tokens": pl.UInt32,
@@ -26,6 +29,12 @@ SCHEMA = {
 }
 # What a hidden-state shard is made of.
 SHARD_COLUMNS = ["id", "num_tokens", "input_ids", "loss_mask"]
+
+
+def sample_id_of(response_id: str, turn: int | None, samples: int) -> str:
+    """A sample's id: the response's own when the response makes one sample, else
+    ``{response_id}#{turn}`` (one per assistant turn, ``turn`` its message index)."""
+    return response_id if samples == 1 else f"{response_id}#{turn}"
 
 
 def write_tokenized(path: str | Path, rows: Mapping[str, Sequence[Any]]) -> pl.DataFrame:

@@ -107,6 +107,7 @@ def _transformers_engine(
         chat_template_kwargs=settings["chat_template_kwargs"],
         dtype=settings["dtype"],
         device=execution["device"],
+        trust_remote_code=execution.get("trust_remote_code", False),
     )
 
 
@@ -134,19 +135,21 @@ def _openai_engine(settings: Mapping[str, Any], execution: Mapping[str, Any]) ->
         sampling=settings["sampling"],
         seed=settings["seed"],
         chat_template_kwargs=settings["chat_template_kwargs"],
-        count_tokens=_lazy_token_counter(settings["model_path"]),
+        count_tokens=_lazy_token_counter(
+            settings["model_path"], trust_remote_code=execution.get("trust_remote_code", False)
+        ),
     )
 
 
-def _lazy_token_counter(model_path: str) -> Callable[[str], int]:
+def _lazy_token_counter(model_path: str, *, trust_remote_code: bool) -> Callable[[str], int]:
     """Counts with the model's tokenizer, loaded only if a server omits usage."""
     tokenizer: list[Any] = []
 
     def count(text: str) -> int:
         if not tokenizer:
-            from transformers import AutoTokenizer
+            from ...target import load_tokenizer
 
-            tokenizer.append(AutoTokenizer.from_pretrained(model_path, local_files_only=True))
+            tokenizer.append(load_tokenizer(model_path, trust_remote_code=trust_remote_code))
         return len(tokenizer[0](text, add_special_tokens=False)["input_ids"])
 
     return count

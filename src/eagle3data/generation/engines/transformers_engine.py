@@ -3,18 +3,24 @@
 Rows of a batch are left-padded and generated together. Rows whose prompt plus
 ``max_tokens`` would not fit in the model context are generated alone, so a
 long prompt never shortens its neighbours' completions.
+
+A thinking target's completion is split into ``reasoning_content`` and ``content`` as
+SGLang's reasoning parsers split it (:func:`..chat.split_reasoning`), so both backends
+write the same rows. The think tags survive decoding even where a tokenizer marks them
+special: they are decoded by id, the text between them as usual.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ...chat import render
+from ...chat import THINK_CLOSE, THINK_OPEN, render, split_reasoning
 from ...model_config import context_length
-from ...torch_utils import load_causal_lm
+from ...target import load_causal_lm
 from . import Completion, Message, TurnFailure
 
 
@@ -27,8 +33,11 @@ class TransformersEngine:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         dtype: str = "auto",
         device: str = "auto",
+        trust_remote_code: bool = False,
     ) -> None:
-        self.model, self.tokenizer = load_causal_lm(model_path, dtype=dtype, device=device)
+        self.model, self.tokenizer = load_causal_lm(
+            model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code
+        )
         self.sampling = dict(sampling)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # The text decoder's context (a wrapper's top level declares none): 0 = unknown.
@@ -37,6 +46,29 @@ class TransformersEngine:
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.eos_ids[0]
+        self.think_tags = self._single_token_ids(THINK_OPEN, THINK_CLOSE)
+
+    def _single_token_ids(self, *tags: str) -> dict[int, str]:
+        """Ids of the tags the vocabulary holds as one token (none for most models)."""
+        ids: dict[int, str] = {}
+        for tag in tags:
+            encoded = self.tokenizer.encode(tag, add_special_tokens=False)
+            if len(encoded) == 1:
+                ids[int(encoded[0])] = tag
+        return ids
+
+    def _decode(self, tokens: list[int]) -> str:
+        parts: list[str] = []
+        run: list[int] = []
+        for token in tokens:
+            if token in self.think_tags:
+                parts.append(self.tokenizer.decode(run, skip_special_tokens=True))
+                parts.append(self.think_tags[token])
+                run = []
+            else:
+                run.append(token)
+        parts.append(self.tokenizer.decode(run, skip_special_tokens=True))
+        return "".join(parts)
 
     def _eos_ids(self) -> list[int]:
         ids: list[int] = []
@@ -55,6 +87,7 @@ class TransformersEngine:
     ) -> list[Completion | TurnFailure]:
         results: list[Completion | TurnFailure | None] = [None] * len(conversations)
         prompts: list[list[int]] = []
+        texts: list[str] = []
         for conv in conversations:
             text = render(
                 self.tokenizer,
@@ -62,6 +95,7 @@ class TransformersEngine:
                 add_generation_prompt=True,
                 chat_template_kwargs=self.chat_template_kwargs,
             )
+            texts.append(text)
             prompts.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
         max_tokens = int(self.sampling["max_tokens"])
@@ -79,7 +113,18 @@ class TransformersEngine:
             outs = self._generate([prompts[i] for i in batch], seed, max_tokens)
             for i, out in zip(batch, outs, strict=True):
                 results[i] = out
-        return [r for r in results if r is not None]
+        return [
+            self._split(texts[i], r) if isinstance(r, Completion) else r
+            for i, r in enumerate(results)
+            if r is not None
+        ]
+
+    @staticmethod
+    def _split(prompt: str, completion: Completion) -> Completion:
+        reasoning, content = split_reasoning(prompt, completion.content)
+        if reasoning is None:
+            return completion
+        return dataclasses.replace(completion, content=content, reasoning_content=reasoning)
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], seed: int, max_new: int) -> list[Completion]:
@@ -129,7 +174,7 @@ class TransformersEngine:
                 len(tokens),
                 "length" if len(tokens) >= max_new else "stop",
             )
-        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        text = self._decode(body)
         hits = [(text.find(stop), stop) for stop in self.sampling["stop"] if stop in text]
         if hits:
             cut, stop = min(hits)

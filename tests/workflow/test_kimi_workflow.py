@@ -1,0 +1,198 @@
+"""Kimi-K2.5, the target this pipeline exists for, end to end on a Kimi-shaped model.
+
+A tiny random DeepSeek-V3 decoder with Kimi's slow remote-code tiktoken tokenizer, its
+special tokens at their real ids and the real K2.5 chat template (support.target_models),
+as a plain checkpoint and as the multimodal wrapper with a nested ``text_config``; thinking
+on and off; the in-process engine and an OpenAI-compatible server that answers with
+``reasoning_content``. Every run goes through the README's command to validated shards,
+and is checked against oracles that do not use our chat module: the Kimi tokenizer's own
+``encode`` of the text the target saw and produced, and a direct forward of the decoder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+import torch
+from support.target_models import (
+    KIMI_END_OF_TURN,
+    KIMI_THINK_CLOSE,
+    kimi_text_decoder,
+    make_kimi_dir,
+)
+from support.workflow import Workflow, new_workflow, sharegpt_prompts, write_prompts
+
+from eagle3data.shards import open_shard
+
+PROMPTS = 4  # q0000 is multi-turn with a system prompt, the others single-turn
+
+
+@pytest.fixture(scope="module")
+def kimi_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("kimi")
+    return {
+        "plain": make_kimi_dir(base / "Kimi-K2.5-tiny"),
+        "wrapper": make_kimi_dir(base / "Kimi-K2.5-tiny-wrapper", wrapper=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def kimi_tokenizer(kimi_dirs: dict[str, Path]) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(kimi_dirs["plain"], trust_remote_code=True)
+
+
+def kimi_workflow(
+    base: Path, model_dir: Path, name: str, *, thinking: bool, server_url: str | None
+) -> Workflow:
+    prompts = write_prompts(base / f"{name}.jsonl", sharegpt_prompts(PROMPTS))
+    generation: dict[str, Any] = {"sampling": {"temperature": 0.0, "max_tokens": 6}}
+    if server_url:
+        generation.update(backend="openai", endpoints=[server_url], served_model="kimi")
+    wf = new_workflow(
+        base,
+        model_dir,
+        {"A1": {"path": str(prompts), "format": "sharegpt"}},
+        name,
+        model={"trust_remote_code": True, "chat_template_kwargs": {"thinking": thinking}},
+        generation=generation,
+        hidden_states={"dtype": "float32"},
+    )
+    wf.env["TIKTOKEN_CACHE_DIR"] = str(base / f"{name}-tiktoken-cache")
+    return wf
+
+
+def expected_samples(tokenizer: Any, response: dict[str, Any], thinking: bool) -> list[dict]:
+    """What each sample of a response must be, restated without our chat module:
+    (id, the text the target saw, then each produced part supervised)."""
+    messages = response["messages"]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    kwargs = {"thinking": thinking}
+
+    def render(conv: list[dict], prompt: bool) -> str:
+        return tokenizer.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=prompt, **kwargs
+        )
+
+    if not thinking:
+        # One sample: the conversation as rendered; each turn's content and end-of-turn
+        # token after its generation prompt (which ends in the empty <think></think>).
+        parts: list[tuple[str, bool]] = []
+        done = ""
+        for i in turns:
+            prompt = render(messages[:i], True)
+            produced = messages[i]["content"] + KIMI_END_OF_TURN
+            parts += [(prompt[len(done) :], False), (produced, True)]
+            done = prompt + produced
+        assert done == render(messages, False)
+        return [{"id": response["id"], "parts": parts}]
+    # Thinking: one sample per assistant turn, the prompt the target saw, then what it
+    # wrote after the template's <think>: reasoning, </think>, content, end of turn.
+    samples = []
+    for i in turns:
+        m = messages[i]
+        produced = m.get("reasoning_content", "") + KIMI_THINK_CLOSE + m["content"]
+        sample_id = response["id"] if len(turns) == 1 else f"{response['id']}#{i}"
+        parts = [(render(messages[:i], True), False), (produced + KIMI_END_OF_TURN, True)]
+        samples.append({"id": sample_id, "parts": parts})
+    return samples
+
+
+def check_tokenized(wf: Workflow, tokenizer: Any, thinking: bool) -> pl.DataFrame:
+    tokenized = pl.read_parquet(wf.path("results/tokenized/A1.parquet"))
+    expected = [s for r in wf.responses("A1") for s in expected_samples(tokenizer, r, thinking)]
+    assert tokenized["id"].to_list() == [s["id"] for s in expected]
+    for row, sample in zip(tokenized.iter_rows(named=True), expected, strict=True):
+        # Kimi's own encode (tiktoken, specials allowed), part by part and whole.
+        ids: list[int] = []
+        mask: list[int] = []
+        for text, supervised in sample["parts"]:
+            piece = tokenizer.encode(text)
+            ids += piece
+            mask += [int(supervised)] * len(piece)
+        assert ids == tokenizer.encode("".join(text for text, _ in sample["parts"]))
+        assert row["input_ids"] == ids
+        assert row["loss_mask"] == mask
+    return tokenized
+
+
+def check_states(wf: Workflow, model_dir: Path, tokenized: pl.DataFrame) -> None:
+    decoder = kimi_text_decoder(model_dir).float().eval()
+    manifest = json.loads(wf.path("results/hidden_states/A1/manifest.json").read_text())
+    assert manifest["num_samples"] == tokenized.height
+    seen = []
+    for entry in manifest["shards"]:
+        with open_shard(wf.path(f"results/hidden_states/A1/{entry['file']}")) as shard:
+            layers = shard.attrs["aux_layer_ids"]
+            assert shard.attrs["reasoning"] == "keep"
+            for i in range(shard.num_samples):
+                s = shard.sample(i)
+                seen.append(s["id"])
+                ids = torch.tensor(s["input_ids"], dtype=torch.long)[None]
+                with torch.inference_mode():
+                    out = decoder(ids, output_hidden_states=True)
+                want_aux = torch.cat([out.hidden_states[k + 1][0] for k in layers], -1)
+                got_aux = torch.from_numpy(s["aux_hidden_states"])
+                got_last = torch.from_numpy(s["last_hidden_states"])
+                torch.testing.assert_close(got_aux, want_aux, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(got_last, out.hidden_states[-1][0], rtol=1e-4, atol=1e-4)
+    assert seen == tokenized["id"].to_list()
+
+
+@pytest.mark.parametrize("backend", ["transformers", "openai"])
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
+@pytest.mark.parametrize("variant", ["plain", "wrapper"])
+def test_kimi_shaped_target_end_to_end(
+    tmp_path: Path,
+    kimi_dirs: dict[str, Path],
+    kimi_tokenizer: Any,
+    variant: str,
+    thinking: bool,
+    backend: str,
+) -> None:
+    from support.fake_openai import FakeOpenAIServer
+
+    model_dir = kimi_dirs[variant]
+    if backend == "openai":
+        # SGLang with --reasoning-parser kimi_k2: reasoning arrives as reasoning_content,
+        # and with thinking off there is none.
+        with FakeOpenAIServer(model="kimi", mean_tokens=6, reasoning=thinking) as server:
+            wf = kimi_workflow(tmp_path, model_dir, "wf", thinking=thinking, server_url=server.url)
+            wf.run()
+    else:
+        wf = kimi_workflow(tmp_path, model_dir, "wf", thinking=thinking, server_url=None)
+        wf.run()
+
+    responses = wf.responses("A1")
+    assert len(responses) == PROMPTS
+    for r in responses:
+        for m in r["messages"]:
+            if m["role"] == "assistant":
+                # The engines split reasoning off as the servers' parsers do.
+                assert ("reasoning_content" in m) == thinking
+                assert KIMI_THINK_CLOSE not in m["content"]
+    tokenized = check_tokenized(wf, kimi_tokenizer, thinking)
+    stats = json.loads(wf.path("results/tokenized/A1.stats.json").read_text())
+    assert stats["conversations_split_per_turn"] == (1 if thinking else 0)
+    check_states(wf, model_dir, tokenized)
+
+
+def test_kimi_without_trust_remote_code_stops_with_one_clear_line(
+    tmp_path: Path, kimi_dirs: dict[str, Path]
+) -> None:
+    wf = kimi_workflow(tmp_path, kimi_dirs["plain"], "wf", thinking=True, server_url=None)
+    wf.config["model"]["trust_remote_code"] = False
+    wf.write_config()
+    proc = wf.run(check=False)
+    assert proc.returncode != 0
+    log = wf.path("logs/generate/A1.log").read_text()
+    errors = [line for line in log.splitlines() if "model.trust_remote_code" in line]
+    assert len(errors) == 1, log
+    assert "tokenizer_config.json auto_map.AutoTokenizer" in errors[0]
+    assert "Traceback" not in log
+    assert not wf.path("results/responses/A1.jsonl").exists()

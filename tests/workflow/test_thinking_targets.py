@@ -1,4 +1,5 @@
-"""Kimi-K2.5, the target this pipeline exists for, end to end on a Kimi-shaped model.
+"""Thinking targets end to end: Kimi-K2.5 (the target this pipeline exists for) on a
+Kimi-shaped model, and Qwen3.
 
 A tiny random DeepSeek-V3 decoder with Kimi's slow remote-code tiktoken tokenizer, its
 special tokens at their real ids and the real K2.5 chat template (support.target_models),
@@ -23,6 +24,7 @@ from support.target_models import (
     KIMI_THINK_CLOSE,
     kimi_text_decoder,
     make_kimi_dir,
+    make_qwen3_dir,
 )
 from support.workflow import Workflow, new_workflow, sharegpt_prompts, write_prompts
 
@@ -196,3 +198,57 @@ def test_kimi_without_trust_remote_code_stops_with_one_clear_line(
     assert "tokenizer_config.json auto_map.AutoTokenizer" in errors[0]
     assert "Traceback" not in log
     assert not wf.path("results/responses/A1.jsonl").exists()
+
+
+def test_qwen3_thinking_through_a_reasoning_server(tmp_path: Path) -> None:
+    """Qwen3 keeps the last turn's reasoning in a full render and drops history's: a
+    single-turn conversation is one sample, a multi-turn one a sample per turn."""
+    from support.fake_openai import FakeOpenAIServer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = make_qwen3_dir(tmp_path / "Qwen3-tiny")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(PROMPTS))
+    with FakeOpenAIServer(model="qwen3", mean_tokens=6, reasoning=True) as server:
+        wf = new_workflow(
+            tmp_path,
+            model_dir,
+            {"A1": {"path": str(prompts), "format": "sharegpt"}},
+            generation={"backend": "openai", "endpoints": [server.url], "served_model": "qwen3"},
+            hidden_states={"dtype": "float32"},
+        )
+        wf.run()
+
+    def render(conv: list[dict], prompt: bool) -> str:
+        return tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=prompt)
+
+    expected = []
+    for r in wf.responses("A1"):
+        messages = r["messages"]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        for i in turns:
+            m = messages[i]
+            # What Qwen3 wrote after "<|im_start|>assistant\n" (its template's rendering).
+            produced = (
+                f"<think>\n{m['reasoning_content'].strip()}\n</think>\n\n{m['content']}<|im_end|>\n"
+            )
+            sample_id = r["id"] if len(turns) == 1 else f"{r['id']}#{i}"
+            expected.append((sample_id, render(messages[:i], True), produced))
+    tokenized = pl.read_parquet(wf.path("results/tokenized/A1.parquet"))
+    assert tokenized["id"].to_list() == [e[0] for e in expected]
+    encode = tokenizer.encode
+    for row, (_, prompt, produced) in zip(tokenized.iter_rows(named=True), expected, strict=True):
+        prompt_ids, produced_ids = encode(prompt), encode(produced)
+        assert row["input_ids"] == encode(prompt + produced) == prompt_ids + produced_ids
+        assert row["loss_mask"] == [0] * len(prompt_ids) + [1] * len(produced_ids)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    manifest = json.loads(wf.path("results/hidden_states/A1/manifest.json").read_text())
+    for entry in manifest["shards"]:
+        with open_shard(wf.path(f"results/hidden_states/A1/{entry['file']}")) as shard:
+            for i in range(shard.num_samples):
+                s = shard.sample(i)
+                with torch.inference_mode():
+                    out = model(torch.tensor(s["input_ids"])[None], output_hidden_states=True)
+                got_last = torch.from_numpy(s["last_hidden_states"])
+                torch.testing.assert_close(got_last, out.hidden_states[-1][0], rtol=1e-4, atol=1e-4)

@@ -87,3 +87,31 @@ def test_the_transformers_backend_is_an_in_process_engine(tiny_model_dir: Path) 
 def test_an_unknown_backend_is_named() -> None:
     with pytest.raises(ValueError, match=r"generation\.backend must be one of"):
         build_engine({"backend": "vllm"}, {})
+
+
+def test_in_process_engine_splits_reasoning_even_where_think_tags_are_special(
+    tmp_path: Path,
+) -> None:
+    from support.target_models import make_kimi_dir, tiktoken_cache
+
+    with tiktoken_cache(str(tmp_path / "tiktoken")):
+        model_dir = make_kimi_dir(tmp_path / "kimi")
+        engine = TransformersEngine(
+            str(model_dir),
+            sampling={"max_tokens": 4, "temperature": 0.0, "stop": [], "repetition_penalty": 1.0},
+            trust_remote_code=True,
+        )
+    tokenizer = engine.tokenizer
+    body = tokenizer.encode("Two and two.</think>Four.")
+    close = tokenizer.convert_tokens_to_ids("</think>")
+    assert close in body and close in tokenizer.all_special_ids  # Kimi marks it special
+    assert "</think>" not in tokenizer.decode(body, skip_special_tokens=True)
+    completion = engine._completion(body, prompt_len=10, max_new=64)
+    prompt = "<|im_assistant|>assistant<|im_middle|><think>"
+    split = engine._split(prompt, completion)
+    assert (split.reasoning_content, split.content) == ("Two and two.", "Four.")
+    assert split.completion_tokens == len(body)
+    # A real generation through the same path: a thinking prompt, so all of a completion
+    # cut off before </think> is reasoning.
+    (result,) = engine.complete([[{"role": "user", "content": "Hi"}]], seed=0)
+    assert result.content == "" and result.reasoning_content

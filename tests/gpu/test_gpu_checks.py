@@ -1,4 +1,8 @@
-"""Runs tests/gpu/check_sglang.py where it can run: a CUDA GPU and sglang installed."""
+"""Runs tests/gpu/check_sglang.py where it can run: a CUDA GPU and sglang installed.
+
+One case per target: the shrunken Llama, and the shrunken Kimi-K2.5 in its shipping layout
+(``KimiK25ForConditionalGeneration`` wrapper, remote-code tiktoken tokenizer, MLA).
+"""
 
 from __future__ import annotations
 
@@ -22,9 +26,13 @@ def _has_cuda_and_sglang() -> bool:
 
 
 @pytest.mark.skipif(not _has_cuda_and_sglang(), reason="needs a CUDA GPU and sglang")
-def test_sglang_capture_matches_transformers_on_gpu() -> None:
+@pytest.mark.parametrize("model", ["llama", "kimi-wrapper"])
+def test_sglang_capture_matches_transformers_on_gpu(model: str) -> None:
     result = subprocess.run(
-        [sys.executable, str(CHECK)], capture_output=True, text=True, timeout=1800
+        [sys.executable, str(CHECK), "--model", model],
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     print(result.stdout, result.stderr[-5000:])
     assert result.returncode == 0, result.stdout

@@ -14,7 +14,9 @@ from eagle3data.config import canonical_json
 from eagle3data.driver_signals import relay_sigterm_off_main_thread
 from eagle3data.generation.settings import generation_settings
 from eagle3data.gpu_slots import job_gpus
+from eagle3data.errors import PromptFormatError
 from eagle3data.hidden_states.settings import hidden_state_settings
+from eagle3data.prompts.readers import source_files
 from eagle3data.tokenization.settings import tokenize_settings
 
 min_version("9.0")
@@ -32,8 +34,10 @@ def check_paths(config):
     if model_dir != Path(layout.DEMO_MODEL) and not (model_dir / "config.json").is_file():
         problems.append(f"model.path: {model_dir} is not a model directory (no config.json there)")
     for name, ds in config["datasets"].items():
-        if not Path(ds["path"]).is_file():
-            problems.append(f"datasets.{name}.path: {ds['path']} does not exist")
+        try:
+            source_files(ds["path"], split=ds.get("split"))
+        except PromptFormatError as exc:
+            problems.append(f"datasets.{name}.path: {exc}")
     if problems:
         raise ValueError("invalid config/config.yaml:\n  " + "\n  ".join(problems))
 
@@ -66,7 +70,9 @@ def model_config_file():
 
 def dataset_source(wildcards):
     show_preview_on_dry_run()  # every target needs its prompts: the preview shows for all
-    return config["datasets"][wildcards.dataset]["path"]
+    dataset = config["datasets"][wildcards.dataset]
+    # Every file of a folder or glob: a new or changed shard re-runs the stage.
+    return [str(p) for p in source_files(dataset["path"], split=dataset.get("split"))]
 
 
 def shard_files(wildcards):

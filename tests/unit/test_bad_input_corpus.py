@@ -27,8 +27,16 @@ ERRORS = [
     ),
     ("duplicate_ids.jsonl", "sharegpt", 2, "id: duplicate id 'a' (first on line 1)"),
     ("non_utf8.jsonl", "sharegpt", 2, "(line): not UTF-8 text"),
-    ("messages_unknown_role.jsonl", "messages", 1, "messages[1].role: unknown role 'tool'"),
+    ("messages_unknown_role.jsonl", "messages", 1, "messages[1].role: unknown role 'robot'"),
     ("alpaca_missing_instruction.jsonl", "alpaca", 1, "instruction: missing field"),
+    ("deeply_nested.jsonl", "sharegpt", 2, "(line): nested too deeply"),
+    (
+        "lone_surrogate.jsonl",
+        "sharegpt",
+        2,
+        "conversations[0].value: lone surrogate \\ud800 at character 4: not valid Unicode text",
+    ),
+    ("multimodal_image.jsonl", "auto", 2, "image: multimodal prompts are not supported yet"),
 ]
 
 
@@ -51,12 +59,25 @@ def test_skip_policy_records_the_same_reason(name, fmt, line, message) -> None:
     assert [c.line for c in result.conversations] == ([1] if line == 2 else [])
 
 
+def test_a_byte_order_mark_is_tolerated() -> None:
+    (conv,) = read_prompts(BAD / "bom.jsonl").conversations
+    assert conv.messages == [{"role": "user", "content": "Hello"}]
+
+
+def test_a_repeated_key_keeps_the_last_value_and_is_counted() -> None:
+    result = read_prompts(BAD / "duplicate_keys.jsonl")
+    assert result.conversations[0].messages[0]["content"] == "second"
+    (warning,) = result.stats.warnings()
+    assert warning.startswith("1 record(s) repeat a JSON key; the last value was kept")
+    assert "duplicate_keys.jsonl:1: conversations" in warning
+
+
 def test_empty_file_is_an_empty_dataset() -> None:
     assert read_prompts(BAD / "empty.jsonl", "sharegpt").conversations == []
 
 
 def test_missing_file_names_the_path() -> None:
-    with pytest.raises(PromptFormatError, match=r"nope\.jsonl: prompt file not found"):
+    with pytest.raises(PromptFormatError, match=r"nope\.jsonl: prompt source not found"):
         read_prompts(BAD / "nope.jsonl", "sharegpt")
 
 

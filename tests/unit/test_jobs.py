@@ -52,7 +52,8 @@ def test_user_errors_keep_the_builtin_base_callers_expect(error) -> None:
 # Exceptions that never end a job: signals between the parts of one stage.
 INTERNAL = {
     "eagle3data.generation.engines.TransientError",  # retried, then dispatched again
-    "eagle3data.prompts.sources._Bad",  # becomes a PromptFormatError or a recorded skip
+    "eagle3data.prompts.shapes.Bad",  # becomes a PromptFormatError or a recorded skip
+    "eagle3data.prompts.readers._CorruptStream",  # becomes a PromptFormatError naming the file
 }
 
 

@@ -498,24 +498,27 @@ def test_invalid_json_file_names_file_and_line(tmp_path):
     src.write_text('[\n  {"prompt": "a"},\n  {"prompt": \n]\n')
     with pytest.raises(PromptFormatError) as exc:
         read_prompts(src, "prompt")
-    assert str(exc.value).startswith(f"{src}:4: invalid JSON")
+    assert str(exc.value).startswith(f"{src}: line 4, column 1: record 2: invalid JSON")
 
 
 def test_json_file_must_hold_an_array(tmp_path):
     src = tmp_path / "A1.json"
-    src.write_text('{"prompt": "a"}')
-    with pytest.raises(PromptFormatError, match=r"A1\.json: expected a JSON array"):
+    src.write_text(json.dumps({"data": [{"prompt": "a"}]}, indent=2))
+    with pytest.raises(PromptFormatError) as info:
         read_prompts(src, "prompt")
+    assert str(info.value).startswith(f"{src}: one JSON object, not records")
+    assert "the list under 'data'" in str(info.value)
 
 
 def test_json_array_bad_record_is_numbered(tmp_path):
     src = tmp_path / "A1.json"
     src.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}, {"system": "s"}]))
-    with pytest.raises(PromptFormatError, match=r"A1\.json record 3: prompt: missing field"):
+    expected = r"A1\.json record 3 \(line 1\): prompt: missing field"
+    with pytest.raises(PromptFormatError, match=expected):
         read_prompts(src, "prompt")
     res = read_prompts(src, "prompt", on_invalid="skip")
     assert len(res.conversations) == 2
-    assert res.skipped[0].line == 3
+    assert (res.skipped[0].record, res.skipped[0].line) == (3, 1)
 
 
 def test_duplicate_source_id_with_different_content(tmp_path):

@@ -1,19 +1,21 @@
-"""Read prompt sources in their formats and normalise them to conversations.
+"""Read a prompt source record by record and turn it into conversations.
 
-Every record becomes ``{"id", "messages": [{"role", "content"}], ...}`` with
-roles system/user/assistant. Source assistant turns are kept as references;
-generation regenerates one assistant turn after every user turn.
+Records come from :mod:`.readers` (any format, streamed) and take their shape from
+:mod:`.shapes`. Bad records raise :class:`PromptFormatError` naming the file, line
+(or record) and field, or, with ``on_invalid="skip"``, come back as :class:`Skipped`
+with the same message so the caller can record them. Conversations whose prompt side
+(system, user and tool turns, and tools) equals an earlier one are always skipped and
+recorded, keeping the first: regeneration ignores the reference answers, so generating
+the same prompt twice only spends budget twice.
 
-Bad records raise :class:`PromptFormatError` naming the file, line and field,
-or, with ``on_invalid="skip"``, are returned as skips with the same message so
-the caller can record them. Exact duplicate conversations are always dropped
-and recorded (keeping the first): regenerating them twice buys nothing.
+Memory stays bounded by the batch the reader holds plus 8-byte digests of the ids
+and prompts seen, so a multi-GB source streams through.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,159 +23,108 @@ from typing import Any, Literal
 
 from ..config import canonical_json
 from ..errors import PromptFormatError
+from .readers import Location, RecordProblem, iter_records
+from .shapes import FORMATS, ROLES, Bad, FieldMap, normalise
 
-Format = Literal["sharegpt", "messages", "alpaca", "prompt"]
-FORMATS: tuple[str, ...] = ("sharegpt", "messages", "alpaca", "prompt")
-ROLES = ("system", "user", "assistant")
-_SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-}
+__all__ = [
+    "FORMATS",
+    "ROLES",
+    "Conversation",
+    "IngestStats",
+    "ParseResult",
+    "PromptFormatError",
+    "Skipped",
+    "conversation_hash_id",
+    "iter_conversations",
+    "order_key",
+    "prompt_hash",
+    "read_prompts",
+    "seeded_order",
+]
 
 
 @dataclass(frozen=True)
 class Skipped:
     file: str
-    line: int
+    line: int | None
     reason: str
     id: str | None = None
+    record: int | None = None
 
     def as_row(self) -> dict[str, Any]:
-        return {"file": self.file, "line": self.line, "id": self.id, "reason": self.reason}
+        return {
+            "file": self.file,
+            "line": self.line,
+            "record": self.record,
+            "id": self.id,
+            "reason": self.reason,
+        }
 
 
 @dataclass(frozen=True)
 class Conversation:
     id: str
-    messages: list[dict[str, str]]
-    line: int
+    messages: list[dict[str, Any]]
+    line: int | None
     prompt_hash: str = field(default="")
+    tools: list[dict[str, Any]] | None = None
+    file: str = ""
+    record: int | None = None
+
+
+@dataclass
+class IngestStats:
+    """What the source held: the stage reports it and judges skip mode by it."""
+
+    records: int = 0
+    kept: int = 0
+    invalid: int = 0
+    duplicates: int = 0
+    unused_fields: Counter[str] = field(default_factory=Counter)
+    duplicate_key_records: int = 0
+    first_duplicate_keys: str | None = None
+    reasons: Counter[str] = field(default_factory=Counter)  # invalid records by field
+
+    @property
+    def valid_share(self) -> float:
+        return (self.records - self.invalid) / self.records if self.records else 0.0
+
+    def warnings(self) -> list[str]:
+        """One line per kind of thing that was read but not used, with its count."""
+        lines = [
+            f"field {name!r} ignored in {count} record(s): it is not part of the prompt shape "
+            "(map it with datasets.NAME.fields if it should be)"
+            for name, count in sorted(self.unused_fields.items())
+        ]
+        if self.duplicate_key_records:
+            lines.append(
+                f"{self.duplicate_key_records} record(s) repeat a JSON key; the last value was "
+                f"kept (first: {self.first_duplicate_keys})"
+            )
+        return lines
 
 
 @dataclass
 class ParseResult:
     conversations: list[Conversation]
     skipped: list[Skipped]
+    stats: IngestStats = field(default_factory=IngestStats)
 
 
-def prompt_hash(messages: list[dict[str, str]]) -> str:
-    """Hash of what generation reads (system and user turns, in order)."""
+def prompt_hash(messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+    """Hash of what generation reads: system, user and tool turns in order, and tools."""
     turns = [m for m in messages if m["role"] != "assistant"]
-    return hashlib.sha256(canonical_json(turns).encode()).hexdigest()[:16]
+    keyed: Any = turns if tools is None else {"turns": turns, "tools": tools}
+    return hashlib.sha256(canonical_json(keyed).encode()).hexdigest()[:16]
 
 
-def conversation_hash_id(messages: list[dict[str, str]]) -> str:
-    return "h-" + hashlib.sha256(canonical_json(messages).encode()).hexdigest()[:16]
+def conversation_hash_id(messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+    keyed: Any = messages if tools is None else {"messages": messages, "tools": tools}
+    return "h-" + hashlib.sha256(canonical_json(keyed).encode()).hexdigest()[:16]
 
 
-class _Bad(Exception):
-    def __init__(self, field_path: str, problem: str) -> None:
-        super().__init__(f"{field_path}: {problem}")
-
-
-def _text(value: Any, field_path: str, *, allow_empty: bool = False) -> str:
-    if not isinstance(value, str):
-        raise _Bad(field_path, f"expected a string, got {type(value).__name__}")
-    if not allow_empty and not value.strip():
-        raise _Bad(field_path, "empty text")
-    return value
-
-
-def _obj_list(record: Mapping[str, Any], key: str) -> list[Any]:
-    if key not in record:
-        raise _Bad(key, "missing field")
-    value = record[key]
-    if not isinstance(value, list) or not value:
-        raise _Bad(key, "expected a non-empty list of turns")
-    return value
-
-
-def _turns(
-    record: Mapping[str, Any], list_key: str, role_key: str, text_key: str, roles: Mapping[str, str]
-) -> list[dict[str, str]]:
-    """Read a list of turns whose role and text live under the given keys."""
-    out = []
-    for i, turn in enumerate(_obj_list(record, list_key)):
-        where = f"{list_key}[{i}]"
-        if not isinstance(turn, Mapping):
-            raise _Bad(where, f"expected an object with {role_key!r} and {text_key!r}")
-        if role_key not in turn:
-            raise _Bad(f"{where}.{role_key}", "missing field")
-        source_role = turn[role_key]
-        role = roles.get(source_role) if isinstance(source_role, str) else None
-        if role is None:
-            raise _Bad(
-                f"{where}.{role_key}",
-                f"unknown role {source_role!r} (expected one of {list(roles)})",
-            )
-        if text_key not in turn:
-            raise _Bad(f"{where}.{text_key}", "missing field")
-        content = _text(turn[text_key], f"{where}.{text_key}", allow_empty=role == "assistant")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def _from_sharegpt(record: Mapping[str, Any]) -> list[dict[str, str]]:
-    return _turns(record, "conversations", "from", "value", _SHAREGPT_ROLES)
-
-
-def _from_messages(record: Mapping[str, Any]) -> list[dict[str, str]]:
-    return _turns(record, "messages", "role", "content", {r: r for r in ROLES})
-
-
-def _from_alpaca(record: Mapping[str, Any]) -> list[dict[str, str]]:
-    if "instruction" not in record:
-        raise _Bad("instruction", "missing field")
-    instruction = _text(record["instruction"], "instruction")
-    context = _text(record.get("input", ""), "input", allow_empty=True)
-    user = f"{instruction}\n\n{context}" if context.strip() else instruction
-    out = []
-    if record.get("system"):
-        out.append({"role": "system", "content": _text(record["system"], "system")})
-    out.append({"role": "user", "content": user})
-    if record.get("output"):
-        out.append({"role": "assistant", "content": _text(record["output"], "output")})
-    return out
-
-
-def _from_prompt(record: Mapping[str, Any]) -> list[dict[str, str]]:
-    if "prompt" not in record:
-        raise _Bad("prompt", "missing field")
-    out = []
-    if record.get("system"):
-        out.append({"role": "system", "content": _text(record["system"], "system")})
-    out.append({"role": "user", "content": _text(record["prompt"], "prompt")})
-    return out
-
-
-_READERS = {
-    "sharegpt": _from_sharegpt,
-    "messages": _from_messages,
-    "alpaca": _from_alpaca,
-    "prompt": _from_prompt,
-}
-
-
-def _check_structure(messages: list[dict[str, str]]) -> None:
-    """System turns only first; then user/assistant alternate starting with user."""
-    body = messages[1:] if messages[0]["role"] == "system" else messages
-    if not body:
-        raise _Bad("messages", "no user turn")
-    for i, m in enumerate(body):
-        expected = "user" if i % 2 == 0 else "assistant"
-        if m["role"] != expected:
-            pos = i + (len(messages) - len(body))
-            raise _Bad(
-                f"turn[{pos}].role",
-                f"expected {expected!r} here, got {m['role']!r} "
-                "(conversations start with system or user and alternate user/assistant)",
-            )
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=8).digest()
 
 
 def _source_id(record: Mapping[str, Any]) -> str | None:
@@ -181,95 +132,131 @@ def _source_id(record: Mapping[str, Any]) -> str | None:
         if key in record and record[key] is not None:
             value = record[key]
             if isinstance(value, bool) or not isinstance(value, str | int):
-                raise _Bad(key, f"expected a string or integer id, got {type(value).__name__}")
+                raise Bad(key, f"expected a string or integer id, got {type(value).__name__}")
             text = str(value)
             if not text.strip():
-                raise _Bad(key, "empty id")
+                raise Bad(key, "empty id")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise Bad(key, "holds a lone surrogate: not valid Unicode text") from None
             return text
     return None
 
 
-def _records(path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield (line or record number, parsed JSON) from .jsonl or .json files."""
-    if path.suffix == ".json":
-        try:
-            data = json.loads(path.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise PromptFormatError(
-                f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
-            ) from None
-        except json.JSONDecodeError as exc:
-            raise PromptFormatError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
-        if not isinstance(data, list):
-            raise PromptFormatError(f"{path}: expected a JSON array of records")
-        yield from enumerate(data, start=1)
-        return
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield lineno, _Bad("(line)", f"not UTF-8 text ({exc.reason} at byte {exc.start})")
-                continue
-            if not text.strip():
-                continue
-            try:
-                yield lineno, json.loads(text)
-            except json.JSONDecodeError as exc:
-                yield lineno, _Bad("(line)", f"invalid JSON: {exc.msg} at column {exc.colno}")
+def _place(location: Location) -> str:
+    """How a later record names an earlier one: its line in JSON Lines, else its record."""
+    return f"line {location.line}" if location.line is not None else f"record {location.record}"
 
 
-def read_prompts(
-    path: str | Path, fmt: str, *, on_invalid: Literal["error", "skip"] = "error"
-) -> ParseResult:
-    """Parse a prompt source; raise or record (per ``on_invalid``) bad records."""
-    src = Path(path)
-    if fmt not in _READERS:
-        raise PromptFormatError(f"{src}: unknown format {fmt!r} (expected one of {FORMATS})")
-    if not src.is_file():
-        raise PromptFormatError(f"{src}: prompt file not found")
-    reader = _READERS[fmt]
-    conversations: list[Conversation] = []
-    skipped: list[Skipped] = []
-    seen_ids: dict[str, int] = {}  # id -> first line
-    seen_content: dict[str, int] = {}  # canonical messages -> first line
+class _Seen:
+    """First location of each id and prompt, by 8-byte digest (collisions: ~1e-8 at 1e6)."""
 
-    # JSON arrays have no meaningful line numbers: name the record instead.
-    where = "{src} record {n}" if src.suffix == ".json" else "{src}:{n}"
+    def __init__(self) -> None:
+        self.ids: dict[bytes, Location] = {}
+        self.prompts: dict[bytes, tuple[Location, int]] = {}
 
-    def bad(lineno: int, reason: str, rid: str | None = None) -> None:
+    @staticmethod
+    def describe(first: Location, now: Location) -> str:
+        place = _place(first)
+        return place if first.file == now.file else f"{first.file} {place}"
+
+
+def iter_conversations(
+    path: str | Path,
+    fmt: str = "auto",
+    *,
+    on_invalid: Literal["error", "skip"] = "error",
+    split: str | None = None,
+    fields: Mapping[str, Any] | None = None,
+    stats: IngestStats | None = None,
+) -> Iterator[Conversation | Skipped]:
+    """Conversations and skips in source order; fills ``stats`` as it goes."""
+    if fmt not in FORMATS:
+        raise PromptFormatError(f"{path}: unknown format {fmt!r} (expected one of {FORMATS})")
+    field_map = FieldMap.from_config(fields)
+    stats = stats if stats is not None else IngestStats()
+    seen = _Seen()
+
+    def bad(location: Location, reason: str, rid: str | None = None) -> Skipped:
+        stats.invalid += 1
+        stats.reasons[reason.split(":", 1)[0]] += 1
         if on_invalid == "error":
-            raise PromptFormatError(f"{where.format(src=src, n=lineno)}: {reason}")
-        skipped.append(Skipped(str(src), lineno, reason, rid))
+            raise PromptFormatError(f"{location}: {reason}")
+        return Skipped(location.file, location.line, reason, rid, location.record)
 
-    for lineno, record in _records(src):
-        if isinstance(record, _Bad):
-            bad(lineno, str(record))
+    for item in iter_records(path, split=split):
+        stats.records += 1
+        location = item.location
+        if item.duplicate_keys:
+            stats.duplicate_key_records += 1
+            if stats.first_duplicate_keys is None:
+                stats.first_duplicate_keys = f"{location}: {', '.join(item.duplicate_keys)}"
+        record = item.value
+        if isinstance(record, RecordProblem):
+            yield bad(location, str(record))
             continue
         if not isinstance(record, Mapping):
-            bad(lineno, f"(record): expected a JSON object, got {type(record).__name__}")
+            yield bad(location, f"(record): expected a JSON object, got {type(record).__name__}")
             continue
         try:
             rid = _source_id(record)
-            messages = reader(record)
-            _check_structure(messages)
-        except _Bad as exc:
-            bad(lineno, str(exc))
+            shaped = normalise(record, fmt, field_map)
+        except Bad as exc:
+            yield bad(location, str(exc))
             continue
-        canonical = canonical_json(messages)
-        cid = rid if rid is not None else conversation_hash_id(messages)
-        if canonical in seen_content:
-            # The same conversation twice (whatever its ids) would only spend budget twice.
-            first_line = seen_content[canonical]
-            skipped.append(Skipped(str(src), lineno, f"duplicate of line {first_line}", cid))
+        stats.unused_fields.update(shaped.unused)
+        messages, tools = shaped.messages, shaped.tools
+        cid = rid if rid is not None else conversation_hash_id(messages, tools)
+        phash = prompt_hash(messages, tools)
+        # Within one run only (str hashes are salted per process): which reference it had.
+        whole = hash(tuple(repr(m) for m in messages if m["role"] == "assistant"))
+        first = seen.prompts.get(_digest(phash))
+        if first is not None:
+            # Regeneration reads only the prompt side: a second copy would spend budget twice.
+            first_location, first_whole = first
+            what = "duplicate" if first_whole == whole else "duplicate prompt (reference differs)"
+            stats.duplicates += 1
+            yield Skipped(
+                location.file,
+                location.line,
+                f"{what} of {seen.describe(first_location, location)}",
+                cid,
+                location.record,
+            )
             continue
-        if cid in seen_ids:
-            bad(lineno, f"id: duplicate id {cid!r} (first on line {seen_ids[cid]})", cid)
+        id_digest = _digest(cid)
+        if id_digest in seen.ids:
+            first_location = seen.ids[id_digest]
+            yield bad(
+                location,
+                f"id: duplicate id {cid!r} (first on {seen.describe(first_location, location)})",
+                cid,
+            )
             continue
-        seen_ids[cid] = lineno
-        seen_content[canonical] = lineno
-        conversations.append(Conversation(cid, messages, lineno, prompt_hash(messages)))
-    return ParseResult(conversations, skipped)
+        seen.ids[id_digest] = location
+        seen.prompts[_digest(phash)] = (location, whole)
+        stats.kept += 1
+        yield Conversation(
+            cid, messages, location.line, phash, tools, location.file, location.record
+        )
+
+
+def read_prompts(
+    path: str | Path,
+    fmt: str = "auto",
+    *,
+    on_invalid: Literal["error", "skip"] = "error",
+    split: str | None = None,
+    fields: Mapping[str, Any] | None = None,
+) -> ParseResult:
+    """The whole source in memory: for tests and small sources (the stage streams)."""
+    result = ParseResult([], [])
+    for item in iter_conversations(
+        path, fmt, on_invalid=on_invalid, split=split, fields=fields, stats=result.stats
+    ):
+        (result.conversations if isinstance(item, Conversation) else result.skipped).append(item)
+    return result
 
 
 def order_key(shuffle_seed: int, conversation_id: str) -> str:

@@ -35,6 +35,22 @@ template itself tells us what the target saw and what it produced, turn by turn:
 
 ``reasoning="drop"`` removes ``reasoning_content`` before all this, for a draft that
 serves the target with thinking off; then most conversations are one sample.
+
+Tool calling
+------------
+Conversations may hold ``tool`` turns (results, prompt: never supervised) and assistant
+turns with ``tool_calls`` (produced by the target: reasoning, content and the tool-call
+markup the template renders are supervised like any assistant output). ``tools`` (OpenAI
+tool specs) reach the template as ``apply_chat_template(tools=...)``. Each call's
+``function.arguments`` JSON string is handed to the template as the object it encodes
+(Llama-3.1-style templates write ``arguments | tojson``, Qwen3's and Kimi's take either;
+SGLang and vLLM do the same with history), or as the string if it encodes no object.
+
+A template may render earlier turns differently once a turn is present (Kimi-K2.5 drops
+the reasoning of a tool-call chain from history when the chain's final answer arrives,
+while the chain's own turns saw it): then ``F_i`` and ``P_i`` part before turn ``i`` and
+``X_i`` is found after the generation prompt's own occurrence in ``F_i`` instead (see
+:func:`_turn_output`).
 """
 
 from __future__ import annotations
@@ -70,7 +86,20 @@ __all__ = [
 
 Message = Mapping[str, Any]
 
-_ROLES = frozenset({"system", "user", "assistant"})
+_ROLES = frozenset({"system", "user", "assistant", "tool"})
+# Roles that may follow each role (None: the start, after an optional system message).
+# An assistant turn without tool_calls may still be followed by tool turns: regenerated
+# turns need not call the tools whose results the source gives.
+_NEXT_ROLES: dict[str | None, tuple[str, ...]] = {
+    None: ("user",),
+    "user": ("assistant",),
+    "assistant": ("user", "tool"),
+    "tool": ("tool", "assistant"),
+}
+# Optional keys that mean "unset" when null; dropped so templates test them as absent.
+_OPTIONAL_KEYS = ("tool_calls", "tool_call_id", "name")
+# Prefixed to a turn's texts to find where the template first writes them (_turn_output).
+_MARK = "\x00"
 
 REASONING_MODES = ("keep", "drop")
 # The think tags of every thinking family we serve (Kimi-K2.x, Qwen3, DeepSeek-R1).
@@ -94,6 +123,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
         "return_assistant_tokens_mask",
         "tokenizer_kwargs",
         "sanitize_control_tokens",
+        "tools",  # an argument of render() and friends
     }
 )
 
@@ -139,15 +169,17 @@ def render(
     *,
     add_generation_prompt: bool,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """Render ``messages`` with the tokenizer's chat template (no tokenization).
 
     ``chat_template_kwargs`` become extra template variables, e.g.
-    ``{"enable_thinking": False}`` for Qwen3 or ``{"thinking": True}`` for Kimi.
+    ``{"enable_thinking": False}`` for Qwen3 or ``{"thinking": True}`` for Kimi;
+    ``tools`` (OpenAI tool specs) go to the template's ``tools``.
     """
     conversation = _validated(messages)
-    extra = _template_kwargs(chat_template_kwargs)
-    return _render(tokenizer, conversation, add_generation_prompt, extra)
+    template = _Template(tokenizer, _template_kwargs(chat_template_kwargs), _tools(tools))
+    return template.render(conversation, add_generation_prompt)
 
 
 def training_samples(
@@ -156,13 +188,14 @@ def training_samples(
     *,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     reasoning: str = "keep",
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[RenderedSample]:
     """The texts a conversation is trained as, with the spans the draft learns.
 
     One sample for the whole conversation when its render holds every assistant turn
     exactly as produced; otherwise one sample per assistant turn (see the module
     docstring). ``reasoning="drop"`` removes ``reasoning_content`` first, for a draft
-    that serves the target with thinking off.
+    that serves the target with thinking off. ``tools`` as in :func:`render`.
     """
     if reasoning not in REASONING_MODES:
         raise ValueError(f"reasoning must be one of {list(REASONING_MODES)}, got {reasoning!r}")
@@ -171,8 +204,8 @@ def training_samples(
         conversation = [
             {k: v for k, v in m.items() if k != "reasoning_content"} for m in conversation
         ]
-    extra = _template_kwargs(chat_template_kwargs)
-    full = _render(tokenizer, conversation, False, extra)
+    template = _Template(tokenizer, _template_kwargs(chat_template_kwargs), _tools(tools))
+    full = template.render(conversation, False)
 
     turns: list[tuple[int, str, str]] = []  # (message index, prompt, produced text)
     spans: list[tuple[int, int]] = []
@@ -180,9 +213,8 @@ def training_samples(
     for i, message in enumerate(conversation):
         if message["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, conversation[:i], True, extra)
-        as_last = _render(tokenizer, conversation[: i + 1], False, extra)
-        produced = _with_reasoning(i, message, as_last[_common_prefix_len(as_last, prompt) :])
+        prompt = template.render(conversation[:i], True)
+        produced = _with_reasoning(i, message, _turn_output(template, conversation, i, prompt))
         turns.append((i, prompt, produced))
         start = _common_prefix_len(full, prompt)
         length = _longest_suffix_at(produced, full, start)
@@ -203,6 +235,7 @@ def tokenize_conversation(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     max_seq_len: int | None = None,
     reasoning: str = "keep",
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[TokenizedConversation]:
     """Tokenize each training sample of a conversation once and mark what the target
     produced (see :func:`training_samples`)."""
@@ -210,7 +243,11 @@ def tokenize_conversation(
         raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len}")
     out: list[TokenizedConversation] = []
     for sample in training_samples(
-        tokenizer, messages, chat_template_kwargs=chat_template_kwargs, reasoning=reasoning
+        tokenizer,
+        messages,
+        chat_template_kwargs=chat_template_kwargs,
+        reasoning=reasoning,
+        tools=tools,
     ):
         input_ids, loss_mask = tokenize_text(tokenizer, sample.text, sample.spans)
         total = len(input_ids)
@@ -317,64 +354,165 @@ def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     return _sha256(json.dumps(canonical, sort_keys=True, ensure_ascii=False, default=str))
 
 
-def _render(
-    tokenizer: PreTrainedTokenizerBase,
-    conversation: list[dict[str, Any]],
-    add_generation_prompt: bool,
-    extra: dict[str, Any],
+@dataclass(frozen=True)
+class _Template:
+    """The tokenizer's chat template with this conversation's variables and tools."""
+
+    tokenizer: PreTrainedTokenizerBase
+    extra: dict[str, Any]
+    tools: list[dict[str, Any]] | None
+
+    def render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                tools=self.tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **self.extra,
+            )
+        except Exception as exc:  # jinja2 errors, raise_exception() in templates, ...
+            raise ChatTemplateError(
+                f"chat template failed on {len(conversation)} message(s) "
+                f"(add_generation_prompt={add_generation_prompt}): {exc}"
+            ) from exc
+        if not isinstance(text, str):
+            raise ChatTemplateError(f"chat template returned {type(text).__name__}, expected str")
+        return text
+
+
+def _turn_output(
+    template: _Template, conversation: list[dict[str, Any]], i: int, prompt: str
 ) -> str:
-    try:
-        text = tokenizer.apply_chat_template(
-            conversation,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **extra,
-        )
-    except Exception as exc:  # jinja2 errors, raise_exception() in templates, ...
+    """What the template writes for assistant turn ``i`` after its generation prompt.
+
+    Normally ``F_i`` (the turn rendered last) extends ``prompt`` up to the generation
+    prompt and the output is what follows their common prefix. A template may instead
+    render the earlier turns differently once turn ``i`` is there (Kimi-K2.5: a finished
+    tool-call chain loses its reasoning); then the turn starts after the last occurrence
+    of the generation prompt in ``F_i`` before the turn's own texts.
+    """
+    as_last = template.render(conversation[: i + 1], False)
+    start = _common_prefix_len(as_last, prompt)
+    if start == len(prompt):
+        return as_last[start:]
+    history_end = _common_prefix_len(template.render(conversation[:i], False), prompt)
+    if start >= history_end:  # they part inside the generation prompt (e.g. a think block)
+        return as_last[start:]
+    generation_prompt = prompt[history_end:]
+    marked = template.render([*conversation[:i], _marked(conversation[i])], False)
+    own_texts = _common_prefix_len(as_last, marked)
+    at = as_last.rfind(generation_prompt, 0, own_texts) if generation_prompt else -1
+    if at == -1:
         raise ChatTemplateError(
-            f"chat template failed on {len(conversation)} message(s) "
-            f"(add_generation_prompt={add_generation_prompt}): {exc}"
-        ) from exc
-    if not isinstance(text, str):
-        raise ChatTemplateError(f"chat template returned {type(text).__name__}, expected str")
-    return text
+            f"turn {i} (assistant): the chat template renders the conversation before this "
+            f"turn differently once the turn is present, and the generation prompt "
+            f"{generation_prompt[-80:]!r} does not open the turn; its output cannot be placed"
+        )
+    return as_last[at + len(generation_prompt) :]
+
+
+def _marked(message: Mapping[str, Any]) -> dict[str, Any]:
+    """The message with its texts prefixed by a mark, to see where a render first differs."""
+    marked = dict(message)
+    marked["content"] = _MARK + message["content"]
+    if message.get("reasoning_content"):
+        marked["reasoning_content"] = _MARK + message["reasoning_content"]
+    return marked
 
 
 def _validated(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    """Check roles and order; return plain dicts for ``apply_chat_template``."""
+    """Check roles, order and fields; return plain dicts for ``apply_chat_template``
+    (unset optional keys dropped, tool-call arguments decoded: see the module docstring)."""
     if isinstance(messages, (str, bytes)) or not messages:
         raise ChatTemplateError("a conversation needs at least one message")
 
     conversation: list[dict[str, Any]] = []
-    expected = "user"  # role of the next non-system message
+    previous: str | None = None  # role of the previous non-system message
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"turn {i}: expected a mapping, got {type(message).__name__}")
         role = message.get("role")
         if role not in _ROLES:
             raise ChatTemplateError(f"turn {i}: role must be one of {sorted(_ROLES)}, got {role!r}")
-        if not isinstance(message.get("content"), str):
-            raise ChatTemplateError(
-                f"turn {i} ({role}): content must be a string, "
-                f"got {type(message.get('content')).__name__}"
-            )
-        reasoning = message.get("reasoning_content")
-        if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
-            raise ChatTemplateError(
-                f"turn {i} ({role}): reasoning_content must be a string on an assistant turn"
-            )
+        _check_fields(i, role, message)
         if role == "system":
             if i != 0:
                 raise ChatTemplateError(f"turn {i}: a system message is only allowed first")
-        elif role != expected:
+        elif role not in _NEXT_ROLES[previous]:
             raise ChatTemplateError(
-                f"turn {i}: expected a {expected} message, got {role} "
-                "(conversations start with system or user and then alternate)"
+                f"turn {i}: expected a {' or '.join(_NEXT_ROLES[previous])} message, got "
+                f"{role} (conversations start with system or user and then alternate; "
+                "tool results follow an assistant turn and are answered by one)"
             )
         else:
-            expected = "assistant" if role == "user" else "user"
-        conversation.append(dict(message))
+            previous = role
+        conversation.append(_template_message(message))
     return conversation
+
+
+def _check_fields(i: int, role: str, message: Mapping[str, Any]) -> None:
+    if not isinstance(message.get("content"), str):
+        raise ChatTemplateError(
+            f"turn {i} ({role}): content must be a string, "
+            f"got {type(message.get('content')).__name__}"
+        )
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+        raise ChatTemplateError(
+            f"turn {i} ({role}): reasoning_content must be a string on an assistant turn"
+        )
+    calls = message.get("tool_calls")
+    if calls is not None and (role != "assistant" or not _are_tool_calls(calls)):
+        raise ChatTemplateError(
+            f"turn {i} ({role}): tool_calls must be a list of "
+            "{id, type, function: {name, arguments}} on an assistant turn"
+        )
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None and not isinstance(message[key], str):
+            raise ChatTemplateError(f"turn {i} ({role}): {key} must be a string")
+
+
+def _are_tool_calls(calls: Any) -> bool:
+    return isinstance(calls, list) and all(
+        isinstance(c, Mapping)
+        and isinstance(c.get("function"), Mapping)
+        and isinstance(c["function"].get("name"), str)
+        for c in calls
+    )
+
+
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in message.items() if not (k in _OPTIONAL_KEYS and v is None)}
+    if "tool_calls" in out:
+        if out["tool_calls"]:
+            out["tool_calls"] = [_template_tool_call(c) for c in out["tool_calls"]]
+        else:
+            del out["tool_calls"]  # [] means none; some templates test for the key
+    return out
+
+
+def _template_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    """The call with its ``arguments`` JSON string decoded when it encodes an object."""
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, dict):
+            function["arguments"] = decoded
+    return {**call, "function": function}
+
+
+def _tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tool specs for the template; None (no tools) for None or an empty list."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes)) or not all(isinstance(t, Mapping) for t in tools):
+        raise ChatTemplateError("tools must be a list of OpenAI tool specs (mappings)")
+    return [dict(t) for t in tools] or None
 
 
 def _template_kwargs(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:

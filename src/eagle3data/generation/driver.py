@@ -13,6 +13,13 @@ output. HTTP engines get single conversations as capacity frees up; which ones
 are in flight depends on timing, but the output does not: it is the prefix
 selected from the journal, and each conversation's answer depends only on the
 conversation (for a deterministic server).
+
+Tool calling: the source's assistant turns are regenerated wherever it had one, after
+each user turn and after each run of tool turns, on the regenerated history so far plus
+the source's system, user and tool turns in order; a conversation's ``tools`` go with
+every request. Tools are never executed: the source's tool results stay as given, even
+where a regenerated turn calls other tools (or none) than the source's did, so what the
+target is shown stays a function of the source alone.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Any
 from ..atomic import write_jsonl
 from ..errors import GenerationAborted
 from .budget import Outcome, Selection, plan_dispatch, select_prefix
-from .engines import AsyncEngine, Completion, Engine, TransientError, TurnFailure
+from .engines import AsyncEngine, Completion, Engine, Tools, TransientError, TurnFailure
 from .journal import JournalWriter, read_journal
 from .records import (
     JournalRecord,
@@ -49,7 +56,8 @@ log = logging.getLogger(__name__)
 class Prompt:
     id: str
     prompt_hash: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]  # normalised (prompts stage): system/user/assistant/tool
+    tools: Tools | None = None  # OpenAI tool specs offered to the target, if any
 
 
 @dataclass
@@ -98,33 +106,38 @@ def _batch_seed(seed: int, first_id: str, turn: int) -> int:
 
 
 class Conversation:
-    """One prompt being regenerated: source assistant turns are dropped and,
-    after each user turn, the engine answers on the regenerated history."""
+    """One prompt being regenerated: source assistant turns are dropped and, at each
+    point where the source had one (after each user turn and after each run of tool
+    turns), the engine answers on the regenerated history."""
 
     def __init__(self, prompt: Prompt) -> None:
         self.prompt = prompt
-        system = [dict(m) for m in prompt.messages[:1] if m["role"] == "system"]
-        self.history: list[dict[str, str]] = system
-        self.user_turns = [dict(m) for m in prompt.messages if m["role"] == "user"]
+        self.tools = prompt.tools or None
+        self.history: list[dict[str, Any]] = []
+        self.segments = _segments(prompt.messages)
+        self.opened = 0  # segments appended to the history so far
         self.turns: list[Turn] = []
         self.failure: str | None = None
 
-    def next_request(self) -> list[dict[str, str]] | None:
-        """The history ending with the next user turn, or None when finished."""
+    def next_request(self) -> list[dict[str, Any]] | None:
+        """The history up to the next regeneration point, or None when finished."""
         k = len(self.turns)
-        if self.failure is not None or k >= len(self.user_turns):
+        if self.failure is not None or k >= len(self.segments):
             return None
-        if len(self.history) == 0 or self.history[-1]["role"] != "user":
-            self.history.append(self.user_turns[k])
+        if self.opened == k:  # idempotent: the batch loop asks twice per round
+            self.history.extend(self.segments[k])
+            self.opened += 1
         return self.history
 
     def add(self, result: Completion | TurnFailure) -> None:
         if isinstance(result, TurnFailure):
             self.failure = f"turn {len(self.turns) + 1}: {result.reason}"
             return
-        message: dict[str, str] = {"role": "assistant", "content": result.content}
+        message: dict[str, Any] = {"role": "assistant", "content": result.content}
         if result.reasoning_content:
             message["reasoning_content"] = result.reasoning_content
+        if result.tool_calls:
+            message["tool_calls"] = [dict(call) for call in result.tool_calls]
         self.history.append(message)
         turn: Turn = {
             "finish_reason": result.finish_reason,
@@ -140,7 +153,34 @@ class Conversation:
         if self.failure is not None:
             spent = sum(t["completion_tokens"] for t in self.turns)
             return failed_record(p.id, p.prompt_hash, self.failure, spent)
-        return ok_record(p.id, p.prompt_hash, self.history, self.turns)
+        return ok_record(p.id, p.prompt_hash, self.history, self.turns, tools=self.tools)
+
+    def tools_kwargs(self) -> dict[str, Any]:
+        """``tools=`` for the engine, only when there are tools: plain conversations
+        make exactly the calls they always made."""
+        return {} if self.tools is None else {"tools": self.tools}
+
+
+def _segments(messages: Sequence[Mapping[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The source's non-assistant turns, cut at each regeneration point: segment k is
+    what is appended to the history before the k-th regenerated assistant turn.
+
+    A point follows every user turn and the last tool turn of each run; a leading
+    system turn opens the first segment; source assistant turns are dropped.
+    """
+    segments: list[list[dict[str, Any]]] = []
+    current: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role == "assistant" or (role == "system" and i > 0):
+            continue
+        # Unset keys would reach the server and the template as nulls.
+        current.append({k: v for k, v in message.items() if v is not None})
+        following = messages[i + 1]["role"] if i + 1 < len(messages) else None
+        if role == "user" or (role == "tool" and following != "tool"):
+            segments.append(current)
+            current = []
+    return segments
 
 
 def regenerate(engine: Engine, prompts: Sequence[Prompt], seed: int) -> list[JournalRecord]:
@@ -155,7 +195,9 @@ def regenerate(engine: Engine, prompts: Sequence[Prompt], seed: int) -> list[Jou
         if not active:
             break
         requests = [c.next_request() or [] for c in active]
-        results = engine.complete(requests, seed=_batch_seed(seed, prompts[0].id, turn))
+        tools = [c.tools for c in active]
+        kwargs = {"tools": tools} if any(t is not None for t in tools) else {}
+        results = engine.complete(requests, seed=_batch_seed(seed, prompts[0].id, turn), **kwargs)
         for conv, res in zip(active, results, strict=True):
             conv.add(res)
         turn += 1
@@ -372,7 +414,7 @@ def _batched(run: _Run, engine_factory: Any) -> None:
 async def _converse(engine: AsyncEngine, prompt: Prompt) -> JournalRecord:
     conv = Conversation(prompt)
     while (request := conv.next_request()) is not None:
-        conv.add(await engine.complete(request))
+        conv.add(await engine.complete(request, **conv.tools_kwargs()))
     return conv.record()
 
 
@@ -462,19 +504,20 @@ def _assemble(
     rows = []
     for pos in sel.selected:
         rec = records[order[pos]]
-        rows.append(
-            {
-                "id": rec["id"],
-                "dataset": job.dataset,
-                "index": pos,
-                "messages": rec["messages"],
-                "finish_reason": rec["finish_reason"],
-                "usage": rec["usage"],
-                "turns": rec["turns"],
-                "model": job.model,
-                "sampling": sampling,
-            }
-        )
+        row = {
+            "id": rec["id"],
+            "dataset": job.dataset,
+            "index": pos,
+            "messages": rec["messages"],
+            "finish_reason": rec["finish_reason"],
+            "usage": rec["usage"],
+            "turns": rec["turns"],
+            "model": job.model,
+            "sampling": sampling,
+        }
+        if "tools" in rec:  # tool-calling conversations only: plain rows are unchanged
+            row["tools"] = rec["tools"]
+        rows.append(row)
     failures = [
         {"id": order[pos], "index": pos, "error": records[order[pos]]["error"]}
         for pos in sel.failed

@@ -9,11 +9,15 @@ any size with polars (:func:`summarise_lines`, :data:`SUMMARY_SCHEMA`).
 On disk (one JSON line per record, keys sorted)::
 
     ok:     {id, prompt_hash, status: "ok", messages, finish_reason,
-             usage: {prompt_tokens, completion_tokens}, turns: [Turn, ...], finished_at}
+             usage: {prompt_tokens, completion_tokens}, turns: [Turn, ...], finished_at,
+             tools (only for conversations with tools)}
     failed: {id, prompt_hash, status: "failed", error, completion_tokens_spent, finished_at}
 
 ``finished_at`` (unix seconds) is when the record was journaled; journals written before
-it existed lack it.
+it existed lack it. ``messages`` is the regenerated conversation: the source's system,
+user and tool turns (``tool_call_id``, ``name`` as given) and the regenerated assistant
+turns (``reasoning_content`` and ``tool_calls`` when the engine returned them); one
+:class:`Turn` per assistant message, in order.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class OkRecord(TypedDict):
     usage: Usage
     turns: list[Turn]
     finished_at: NotRequired[float]
+    tools: NotRequired[list[dict[str, Any]]]  # the OpenAI tool specs offered, if any
 
 
 class FailedRecord(TypedDict):
@@ -63,9 +68,14 @@ JournalRecord = OkRecord | FailedRecord
 
 
 def ok_record(
-    prompt_id: str, prompt_hash: str, messages: list[dict[str, Any]], turns: list[Turn]
+    prompt_id: str,
+    prompt_hash: str,
+    messages: list[dict[str, Any]],
+    turns: list[Turn],
+    *,
+    tools: list[dict[str, Any]] | None = None,
 ) -> OkRecord:
-    return {
+    record: OkRecord = {
         "id": prompt_id,
         "prompt_hash": prompt_hash,
         "status": "ok",
@@ -77,6 +87,9 @@ def ok_record(
         },
         "turns": turns,
     }
+    if tools is not None:  # absent otherwise: records without tools are unchanged
+        record["tools"] = tools
+    return record
 
 
 def failed_record(prompt_id: str, prompt_hash: str, error: str, spent: int) -> FailedRecord:

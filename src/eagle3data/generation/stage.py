@@ -45,7 +45,8 @@ def generate(
     job = GenerationJob(
         dataset=dataset,
         prompts=[
-            Prompt(r["id"], r["prompt_hash"], r["messages"]) for r in iter_prompts(prompts_path)
+            Prompt(r["id"], r["prompt_hash"], r["messages"], r.get("tools"))
+            for r in iter_prompts(prompts_path)
         ],
         journal=journal,
         model=settings["model"],

@@ -2,7 +2,8 @@
 training samples it makes (the whole conversation, or one per assistant turn when the
 template drops history reasoning; see :mod:`..chat`), tokenize each once with the
 target's own tokenizer and mark what the target produced; samples left with nothing to
-learn are dropped and recorded."""
+learn are dropped and recorded. A response's ``tools`` are rendered with it, as when it
+was generated; its tool results are prompt, its tool calls supervised."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def tokenize(
                 chat_template_kwargs=chat_template_kwargs,
                 max_seq_len=max_seq_len,
                 reasoning=reasoning,
+                tools=resp.get("tools"),  # rendered as at generation time
             )
             per_turn += len(samples) > 1
             for tok in samples:

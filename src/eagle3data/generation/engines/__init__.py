@@ -7,6 +7,11 @@ every engine. :func:`build_engine` makes the engine ``generation.backend`` names
 * ``openai`` (:mod:`.openai_engine`): any OpenAI-compatible server, many requests in
   flight (streaming dispatch).
 
+Tool calling: a conversation may come with ``tools`` (OpenAI tool specs); engines pass
+them to the chat template (in-process) or the server (HTTP) with every request of that
+conversation, and report the tool calls they parsed in :attr:`Completion.tool_calls`.
+Tools are never executed here: the driver keeps the source's tool results.
+
 Nothing heavy is imported until an engine is built.
 """
 
@@ -22,6 +27,8 @@ from ...errors import EngineUnavailable
 BACKENDS = ("transformers", "openai")
 
 Message = dict[str, Any]
+# OpenAI tool specs ({"type": "function", "function": {name, description, parameters}}).
+Tools = list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,9 @@ class Completion:
     completion_tokens: int
     reasoning_content: str | None = None
     usage_source: str = "engine"  # "tokenizer" when a server reported no usage
+    # Parsed calls in OpenAI wire format, ``{"id", "type": "function", "function":
+    # {"name", "arguments"}}`` with ``arguments`` a JSON string; None when there are none.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class TransientError(Exception):
@@ -50,9 +60,14 @@ class Engine(Protocol):
     """In-process engines batch internally: many conversations per call."""
 
     def complete(
-        self, conversations: Sequence[Sequence[Message]], *, seed: int
+        self,
+        conversations: Sequence[Sequence[Message]],
+        *,
+        seed: int,
+        tools: Sequence[Tools | None] | None = None,
     ) -> list[Completion | TurnFailure]:
-        """Next assistant turn for each conversation, in the same order."""
+        """Next assistant turn for each conversation, in the same order. ``tools``, one
+        entry per conversation, is passed only when some conversation has tools."""
         ...
 
 
@@ -68,8 +83,11 @@ class AsyncEngine(Protocol):
 
     async def close(self) -> None: ...
 
-    async def complete(self, messages: Sequence[Message]) -> Completion | TurnFailure:
-        """Next assistant turn; raises TransientError when worth retrying later."""
+    async def complete(
+        self, messages: Sequence[Message], tools: Tools | None = None
+    ) -> Completion | TurnFailure:
+        """Next assistant turn; raises TransientError when worth retrying later.
+        ``tools`` is passed only for conversations that have tools."""
         ...
 
 

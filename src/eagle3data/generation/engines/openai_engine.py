@@ -13,6 +13,14 @@ Failures are classified, because they mean different things for the data:
 * transient (connection errors, timeouts, 408/429/5xx, unreadable bodies):
   retried with exponential backoff and jitter; if still failing, the prompt is
   left for a later dispatch and counts towards the run's error limits.
+
+Tool calling: a conversation's ``tools`` go in the body and its history in wire format
+(assistant ``tool_calls``, tool ``tool_call_id``/``name``); the server renders them with
+the model's template and, started with the model's ``--tool-call-parser`` (SGLang; vLLM:
+``--enable-auto-tool-choice --tool-call-parser``), returns the calls it parsed in
+``message.tool_calls``, which become :attr:`Completion.tool_calls` (``arguments`` kept as
+the JSON string servers send). ``finish_reason: "tool_calls"`` is an ordinary finish.
+A server without a parser leaves the call markup in ``content``, like the in-process engine.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from tenacity import (
 )
 
 from ...errors import EngineUnavailable
-from . import Completion, Message, TransientError, TurnFailure
+from . import Completion, Message, Tools, TransientError, TurnFailure
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +138,7 @@ def request_body(
     seed: int,
     chat_template_kwargs: Mapping[str, Any],
     extra_body: Mapping[str, Any],
+    tools: Tools | None = None,
 ) -> dict[str, Any]:
     """The /chat/completions body: OpenAI fields plus the SGLang/vLLM extensions."""
     body: dict[str, Any] = {
@@ -149,14 +158,50 @@ def request_body(
         body["stop"] = list(sampling["stop"])
     if chat_template_kwargs:
         body["chat_template_kwargs"] = dict(chat_template_kwargs)
+    if tools:  # absent otherwise: plain requests stay exactly as they were
+        body["tools"] = list(tools)
     body.update(extra_body)
     return body
 
 
+# What a history message carries to the server. Servers render history themselves;
+# reasoning of earlier turns is sent back as reasoning_content, which templates such as
+# Qwen3's and Kimi's read. An assistant turn that only calls tools keeps content "": SGLang
+# and vLLM render a null content as "" anyway, and tokenize renders "" (chat.render).
+_WIRE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name")
+
+
 def _wire_message(message: Message) -> dict[str, Any]:
-    # Servers render history themselves; reasoning of earlier turns is sent
-    # back as reasoning_content, which templates such as Qwen3's and Kimi's read.
-    return {k: v for k, v in message.items() if k in ("role", "content", "reasoning_content")}
+    return {k: v for k, v in message.items() if k in _WIRE_KEYS}
+
+
+def parse_tool_calls(raw: Any) -> list[dict[str, Any]] | None:
+    """``message.tool_calls`` of a response in the normalised wire form (``index`` and
+    other extras dropped, ``arguments`` a JSON string); None when there are none.
+
+    Raises ValueError on a shape that is not a list of function calls."""
+    if not raw:
+        return None
+    if not isinstance(raw, list):
+        raise ValueError(f"tool_calls is {type(raw).__name__}, expected a list")
+    calls = []
+    for call in raw:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"tool call without a function name: {call!r}")
+        arguments = function.get("arguments")
+        if arguments is None:
+            arguments = "{}"  # a call without arguments
+        elif not isinstance(arguments, str):  # a server that sends the object itself
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append(
+            {
+                "id": str(call.get("id") or ""),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return calls
 
 
 def _error_message(payload: Any, text: str) -> str:
@@ -241,7 +286,9 @@ class OpenAIEngine:
         for p in problems:
             log.warning("endpoint unusable at start, paused: %s", p)
 
-    async def complete(self, messages: Sequence[Message]) -> Completion | TurnFailure:
+    async def complete(
+        self, messages: Sequence[Message], tools: Tools | None = None
+    ) -> Completion | TurnFailure:
         body = request_body(
             messages,
             model=self.settings.model,
@@ -249,6 +296,7 @@ class OpenAIEngine:
             seed=self.seed,
             chat_template_kwargs=self.chat_template_kwargs,
             extra_body=self.settings.extra_body,
+            tools=tools,
         )
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TransientError),
@@ -299,8 +347,9 @@ class OpenAIEngine:
             message = choice["message"]
             content = message.get("content") or ""
             reasoning = message.get("reasoning_content") or None
+            tool_calls = parse_tool_calls(message.get("tool_calls"))
             finish = choice.get("finish_reason") or "unknown"
-        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
             raise TransientError(f"{url}: unexpected response shape ({exc!r})") from None
         if finish == "abort":  # SGLang: the scheduler dropped the request; ask again
             raise TransientError(f"{url}: generation aborted by the server")
@@ -311,7 +360,9 @@ class OpenAIEngine:
         if completion_tokens is None:
             if self.count_tokens is None:
                 raise TransientError(f"{url}: response has no usage and no tokenizer to count")
-            completion_tokens = self.count_tokens((reasoning or "") + content)
+            completion_tokens = self.count_tokens(
+                (reasoning or "") + content + _calls_text(tool_calls)
+            )
             usage_source = "tokenizer"
         return Completion(
             content=content,
@@ -320,7 +371,13 @@ class OpenAIEngine:
             completion_tokens=int(completion_tokens),
             reasoning_content=reasoning,
             usage_source=usage_source,
+            tool_calls=tool_calls,
         )
+
+
+def _calls_text(tool_calls: list[dict[str, Any]] | None) -> str:
+    """The calls' names and arguments: what a usage-less count can see of the markup."""
+    return "".join(c["function"]["name"] + c["function"]["arguments"] for c in tool_calls or [])
 
 
 def _json_or_none(text: str) -> Any:

@@ -8,6 +8,14 @@ A thinking target's completion is split into ``reasoning_content`` and ``content
 SGLang's reasoning parsers split it (:func:`..chat.split_reasoning`), so both backends
 write the same rows. The think tags survive decoding even where a tokenizer marks them
 special: they are decoded by id, the text between them as usual.
+
+Tool calling: a conversation's ``tools`` are rendered by the chat template (``tools=``),
+but tool calls are not parsed out of the completion: the model's raw output, tool-call
+markup included (Qwen3's ``<tool_call>{...}</tool_call>``, Kimi's
+``<|tool_calls_section_begin|>...``), is kept as ``content`` and no ``tool_calls`` are
+returned. A later turn's history therefore carries the markup as text, which templates
+render back as the model wrote it. Completions of conversations with tools are decoded
+with special tokens kept, since some families (Kimi) mark their tool-call tokens special.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import torch
 from ...chat import THINK_CLOSE, THINK_OPEN, render, split_reasoning
 from ...model_config import context_length
 from ...target import load_causal_lm
-from . import Completion, Message, TurnFailure
+from . import Completion, Message, Tools, TurnFailure
 
 
 class TransformersEngine:
@@ -57,7 +65,9 @@ class TransformersEngine:
                 ids[int(encoded[0])] = tag
         return ids
 
-    def _decode(self, tokens: list[int]) -> str:
+    def _decode(self, tokens: list[int], keep_special: bool = False) -> str:
+        if keep_special:  # tool-call markup (see the module docstring); no EOS in ``tokens``
+            return str(self.tokenizer.decode(tokens, skip_special_tokens=False))
         parts: list[str] = []
         run: list[int] = []
         for token in tokens:
@@ -83,17 +93,24 @@ class TransformersEngine:
         return ids
 
     def complete(
-        self, conversations: Sequence[Sequence[Message]], *, seed: int
+        self,
+        conversations: Sequence[Sequence[Message]],
+        *,
+        seed: int,
+        tools: Sequence[Tools | None] | None = None,
     ) -> list[Completion | TurnFailure]:
         results: list[Completion | TurnFailure | None] = [None] * len(conversations)
         prompts: list[list[int]] = []
         texts: list[str] = []
-        for conv in conversations:
+        offered = list(tools) if tools is not None else [None] * len(conversations)
+        keep_special = [bool(t) for t in offered]
+        for conv, conv_tools in zip(conversations, offered, strict=True):
             text = render(
                 self.tokenizer,
                 conv,
                 add_generation_prompt=True,
                 chat_template_kwargs=self.chat_template_kwargs,
+                tools=conv_tools,
             )
             texts.append(text)
             prompts.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -106,11 +123,14 @@ class TransformersEngine:
                     f"prompt has {len(ids)} tokens; the model context is {self.context_length}"
                 )
             elif self.context_length and len(ids) + max_tokens > self.context_length:
-                results[i] = self._generate([ids], seed, self.context_length - len(ids))[0]
+                max_new = self.context_length - len(ids)
+                results[i] = self._generate([ids], seed, max_new, [keep_special[i]])[0]
             else:
                 batch.append(i)
         if batch:
-            outs = self._generate([prompts[i] for i in batch], seed, max_tokens)
+            outs = self._generate(
+                [prompts[i] for i in batch], seed, max_tokens, [keep_special[i] for i in batch]
+            )
             for i, out in zip(batch, outs, strict=True):
                 results[i] = out
         return [
@@ -127,7 +147,9 @@ class TransformersEngine:
         return dataclasses.replace(completion, content=content, reasoning_content=reasoning)
 
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]], seed: int, max_new: int) -> list[Completion]:
+    def _generate(
+        self, prompts: list[list[int]], seed: int, max_new: int, keep_special: list[bool]
+    ) -> list[Completion]:
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -158,11 +180,13 @@ class TransformersEngine:
         )
         new_tokens = out[:, width:].tolist()
         return [
-            self._completion(tokens, len(p), max_new)
-            for tokens, p in zip(new_tokens, prompts, strict=True)
+            self._completion(tokens, len(p), max_new, keep)
+            for tokens, p, keep in zip(new_tokens, prompts, keep_special, strict=True)
         ]
 
-    def _completion(self, tokens: list[int], prompt_len: int, max_new: int) -> Completion:
+    def _completion(
+        self, tokens: list[int], prompt_len: int, max_new: int, keep_special: bool = False
+    ) -> Completion:
         # Finished rows are padded (often with the EOS id itself), so the first
         # EOS ends the completion; it is counted, like servers count it.
         end = next((k for k, t in enumerate(tokens) if t in self.eos_ids), None)
@@ -174,7 +198,7 @@ class TransformersEngine:
                 len(tokens),
                 "length" if len(tokens) >= max_new else "stop",
             )
-        text = self._decode(body)
+        text = self._decode(body, keep_special)
         hits = [(text.find(stop), stop) for stop in self.sampling["stop"] if stop in text]
         if hits:
             cut, stop = min(hits)

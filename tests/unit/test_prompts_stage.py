@@ -104,3 +104,17 @@ def test_ignored_fields_are_warned_with_counts(tmp_path, caplog) -> None:
     lines = [{**r, "persona": "pirate"} for r in records(3)]
     prepare(tmp_path, write_jsonl(tmp_path / "a.jsonl", lines))
     assert "field 'persona' ignored in 3 record(s)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"PK\x03\x04" + bytes(range(256)) * 4, b"\xff\xfe\x00garbage\n" * 50],
+    ids=["zip", "binary-lines"],
+)
+def test_skip_mode_on_an_unreadable_dataset_fails(tmp_path, content) -> None:
+    source = tmp_path / "a.jsonl"
+    source.write_bytes(content)
+    with pytest.raises(PromptFormatError) as info:
+        prepare(tmp_path, source)
+    assert str(info.value).startswith(str(source))
+    assert not (tmp_path / "out" / "A1.parquet").exists()

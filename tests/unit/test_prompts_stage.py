@@ -40,19 +40,29 @@ def prepare(tmp_path: Path, source: Path, **kwargs) -> tuple[Path, Path]:
     return out, skipped
 
 
-@pytest.mark.parametrize("chunk_rows", [37, 50], ids=["remainder", "whole-chunks"])
+@pytest.mark.parametrize(
+    ("chunk_rows", "bits"), [(37, 4), (50, 8)], ids=["remainder-16", "whole-chunks-256"]
+)
 def test_spilled_and_in_memory_ordering_write_the_same_table(
-    tmp_path, monkeypatch, chunk_rows
+    tmp_path, monkeypatch, chunk_rows, bits
 ) -> None:
     source = write_jsonl(tmp_path / "a.jsonl", records(500))
     in_memory, _ = prepare(tmp_path / "one", source)
-    monkeypatch.setattr(stage, "CHUNK_ROWS", chunk_rows)  # spills into up to 256 buckets
+    monkeypatch.setattr(stage, "CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(stage, "MIN_BUCKET_BITS", bits)
     spilled, _ = prepare(tmp_path / "two", source)
     assert pl.read_parquet(spilled).equals(pl.read_parquet(in_memory))
     assert not list((tmp_path / "two" / "out").glob(".*spill*"))
     expected = [c.id for c in seeded_order(read_prompts(source).conversations, 7)]
     assert prompt_order(spilled)[0] == expected
     assert pl.read_parquet(spilled)["index"].to_list() == list(range(500))
+
+
+def test_buckets_grow_with_the_source_up_to_256() -> None:
+    mb = 1 << 20
+    assert [stage.bucket_bits(n * mb) for n in (0, 100, 512, 1024, 4096, 100_000)] == [
+        4, 4, 4, 5, 7, 8,
+    ]  # fmt: skip
 
 
 def test_tool_conversations_round_trip_through_the_table(tmp_path) -> None:

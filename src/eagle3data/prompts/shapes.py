@@ -424,7 +424,7 @@ def _reject_multimodal_fields(record: Mapping[str, Any]) -> None:
 
 
 def _empty(value: Any) -> bool:
-    return value is None or value == "" or value == [] or value == {}
+    return value is None or (not value and isinstance(value, str | list | dict))
 
 
 def _without_nulls(value: Any) -> Any:

@@ -144,22 +144,31 @@ def _source_id(record: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _place(location: Location) -> str:
-    """How a later record names an earlier one: its line in JSON Lines, else its record."""
-    return f"line {location.line}" if location.line is not None else f"record {location.record}"
-
-
 class _Seen:
-    """First location of each id and prompt, by 8-byte digest (collisions: ~1e-8 at 1e6)."""
+    """First place of each id and prompt, by 8-byte digest (collisions: ~1e-8 at 1e6).
+
+    A place is packed into one int (file number, whether it is a line, the number), so a
+    million records cost tens of MB here, not a Location object each.
+    """
 
     def __init__(self) -> None:
-        self.ids: dict[bytes, Location] = {}
-        self.prompts: dict[bytes, tuple[Location, int]] = {}
+        self.ids: dict[bytes, int] = {}
+        self.prompts: dict[bytes, tuple[int, int]] = {}
+        self.files: list[str] = []
+        self._file_numbers: dict[str, int] = {}
 
-    @staticmethod
-    def describe(first: Location, now: Location) -> str:
-        place = _place(first)
-        return place if first.file == now.file else f"{first.file} {place}"
+    def pack(self, location: Location) -> int:
+        number = self._file_numbers.setdefault(location.file, len(self.files))
+        if number == len(self.files):
+            self.files.append(location.file)
+        is_line = location.line is not None
+        return (number << 41) | (is_line << 40) | (location.line if is_line else location.record)
+
+    def describe(self, packed: int, now: Location) -> str:
+        """How a later record names an earlier one: its line in JSON Lines, else its record."""
+        file = self.files[packed >> 41]
+        place = f"{'line' if packed >> 40 & 1 else 'record'} {packed & ((1 << 40) - 1)}"
+        return place if file == now.file else f"{file} {place}"
 
 
 def iter_conversations(
@@ -211,7 +220,8 @@ def iter_conversations(
         phash = prompt_hash(messages, tools)
         # Within one run only (str hashes are salted per process): which reference it had.
         whole = hash(tuple(repr(m) for m in messages if m["role"] == "assistant"))
-        first = seen.prompts.get(_digest(phash))
+        prompt_digest = _digest(phash)
+        first = seen.prompts.get(prompt_digest)
         if first is not None:
             # Regeneration reads only the prompt side: a second copy would spend budget twice.
             first_location, first_whole = first
@@ -234,8 +244,9 @@ def iter_conversations(
                 cid,
             )
             continue
-        seen.ids[id_digest] = location
-        seen.prompts[_digest(phash)] = (location, whole)
+        packed = seen.pack(location)
+        seen.ids[id_digest] = packed
+        seen.prompts[prompt_digest] = (packed, whole)
         stats.kept += 1
         yield Conversation(
             cid, messages, location.line, phash, tools, location.file, location.record

@@ -1,45 +1,54 @@
 """The prompts stage: stream one source, order it, write the prompts table and the skips.
 
 The seeded order is a sort by ``order_key``; a source can be larger than memory, so
-conversations are written in chunks to per-bucket spill files (the bucket is the order
-key's first hex digit) and each bucket is sorted on its own: peak memory is a chunk or a
-bucket, never the source. Small sources never spill.
+conversations are written in chunks to per-bucket spill files (a bucket is a range of
+order keys, sized from the source's bytes) and each bucket is sorted on its own: peak
+memory is a chunk or a bucket, never the source. Small sources never spill.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+from bisect import bisect_left
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..atomic import atomic_open, atomic_path, dumps_line
 from ..errors import PromptFormatError
+from .readers import source_files
 from .sources import Conversation, IngestStats, iter_conversations, order_key
 from .table import ARROW_SCHEMA, numbered, prompt_rows
 
 log = logging.getLogger(__name__)
 
 CHUNK_ROWS = 20_000
-BUCKETS = 16  # by the order key's first hex digit: a bucket is 1/16 of the source
+BUCKET_SOURCE_BYTES = 32 << 20  # about this much source per bucket ...
+MIN_BUCKET_BITS, MAX_BUCKET_BITS = 4, 8  # ... in 16 to 256 buckets (open files while spilling)
+
+
+def bucket_bits(source_bytes: int) -> int:
+    """log2 of the bucket count: enough buckets that each holds ~32 MB of the source."""
+    buckets = max(1, -(-source_bytes // BUCKET_SOURCE_BYTES))
+    return min(MAX_BUCKET_BITS, max(MIN_BUCKET_BITS, (buckets - 1).bit_length()))
 
 
 class _OrderedWriter:
     """Collect conversations; write them in the seeded order, spilling when there are many."""
 
-    def __init__(self, out: Path, shuffle_seed: int, chunk_rows: int | None = None) -> None:
+    def __init__(self, out: Path, shuffle_seed: int, source_bytes: int = 0) -> None:
         self.out = out
         self.seed = shuffle_seed
-        self.chunk_rows = chunk_rows or CHUNK_ROWS
+        self.chunk_rows = CHUNK_ROWS
+        self.bits = bucket_bits(source_bytes)
         self.pending: list[Conversation] = []
         self.spill_dir = out.parent / f".{out.name}.spill"
         shutil.rmtree(self.spill_dir, ignore_errors=True)  # a killed run's leftovers
-        self.buckets: dict[str, pq.ParquetWriter] = {}
+        self.buckets: dict[int, pq.ParquetWriter] = {}
 
     def add(self, conversation: Conversation) -> None:
         self.pending.append(conversation)
@@ -53,15 +62,20 @@ class _OrderedWriter:
         return rows
 
     def _spill(self) -> None:
-        rows = self._keyed()
-        bucket_of = pc.utf8_slice_codeunits(rows["order_key"], 0, 1)
-        for bucket in pc.unique(bucket_of).to_pylist():
-            part = rows.filter(pc.equal(bucket_of, bucket))
+        rows = self._keyed().sort_by("order_key")
+        keys = rows["order_key"].to_pylist()
+        start = 0
+        while start < len(keys):
+            # Buckets are ranges of the 12-bit key prefix; a sorted chunk splits at them.
+            bucket = int(keys[start][:3], 16) >> (12 - self.bits)
+            limit = (bucket + 1) << (12 - self.bits)
+            end = len(keys) if limit >= 4096 else bisect_left(keys, f"{limit:03x}", lo=start)
             if bucket not in self.buckets:
                 self.spill_dir.mkdir(parents=True, exist_ok=True)
-                path = self.spill_dir / f"{bucket}.parquet"
-                self.buckets[bucket] = pq.ParquetWriter(path, part.schema)
-            self.buckets[bucket].write_table(part)
+                path = self.spill_dir / f"{bucket:04d}.parquet"
+                self.buckets[bucket] = pq.ParquetWriter(path, rows.schema)
+            self.buckets[bucket].write_table(rows.slice(start, end - start))
+            start = end
 
     def finish(self) -> int:
         try:
@@ -76,7 +90,7 @@ class _OrderedWriter:
                 written = 0
                 with pq.ParquetWriter(tmp, ARROW_SCHEMA) as out:
                     for bucket in sorted(self.buckets):
-                        rows = pq.read_table(self.spill_dir / f"{bucket}.parquet")
+                        rows = pq.read_table(self.spill_dir / f"{bucket:04d}.parquet")
                         out.write_table(numbered(rows.sort_by("order_key"), written))
                         written += rows.num_rows
                 return written
@@ -98,7 +112,8 @@ def prepare_prompts(
     min_valid_share: float = 0.5,
 ) -> None:
     stats = IngestStats()
-    writer = _OrderedWriter(Path(out_prompts), shuffle_seed)
+    source_bytes = sum(p.stat().st_size for p in source_files(source, split=split))
+    writer = _OrderedWriter(Path(out_prompts), shuffle_seed, source_bytes)
     skipped = 0
     with atomic_open(out_skipped) as skipped_file:
         items = iter_conversations(

@@ -54,6 +54,14 @@ def test_chat_shapes_are_detected(tmp_path, record) -> None:
     assert read_prompts(jsonl(tmp_path, record, name="b.jsonl"), "auto").stats.warnings() == []
 
 
+def test_ultrachat_prompt_copy_is_not_warned_about(tmp_path) -> None:
+    record = {"prompt": "Hi", "prompt_id": "p1", "messages": USER_ASSISTANT}
+    path = jsonl(tmp_path, record)
+    result = read_prompts(path)
+    assert result.conversations[0].messages == USER_ASSISTANT
+    assert result.stats.warnings() == []
+
+
 def test_an_explicit_format_accepts_either_turn_spelling(tmp_path) -> None:
     assert only(tmp_path, {"conversations": USER_ASSISTANT}, "sharegpt").messages == USER_ASSISTANT
 

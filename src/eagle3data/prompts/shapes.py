@@ -100,6 +100,9 @@ def normalise(record: Mapping[str, Any], fmt: str, fields: FieldMap) -> Normalis
     shape = _shape_of(record, fmt, fields)
     if shape == "chat":
         messages = _chat(record, fmt, fields, used, unused)
+        first_user = next((m["content"] for m in messages if m["role"] == "user"), None)
+        if record.get("prompt") == first_user:
+            used.add("prompt")  # UltraChat's copy of the first user turn
     elif shape == "alpaca":
         messages = _alpaca(record, used)
     else:

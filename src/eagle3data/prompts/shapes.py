@@ -50,7 +50,16 @@ _METADATA_KEYS = frozenset(
         "language", "lang", "turn", "redacted", "openai_moderation", "hash", "title", "views",
         "avatarUrl", "topic", "skip_prompt_formatting", "custom_instruction", "weight", "task",
         "dataset", "score", "timestamp", "license", "url", "prompt_id", "length", "num_turns",
-        "token_count", "tags", "split", "subset",
+        "token_count", "tags", "split", "subset", "model_name",
+        # Magpie's generation metadata
+        "gen_input_configs", "intent", "knowledge", "difficulty", "input_quality",
+        "quality_explanation", "task_category", "other_task_category",
+        "task_category_generator", "llama_guard_2", "instruct_reward", "reward_model",
+        "min_neighbor_distance", "repeat_count", "min_similar_uuid", "response_length",
+        "input_length",
+        # WildChat / LMSYS moderation and provenance
+        "conversation_hash", "detoxify_moderation", "toxic", "state", "country", "hashed_ip",
+        "header",
     }
 )  # fmt: skip
 # Turn keys that change nothing we send: ignored without a warning.

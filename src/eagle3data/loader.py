@@ -10,7 +10,8 @@
 
 Each item is a dict: ``id`` and ``dataset`` (str), ``input_ids`` [L] long, ``loss_mask``
 [L] long (0/1), ``aux_hidden_states`` [L, 3H] and ``last_hidden_states`` [L, H] in the
-stored dtype (bf16 shards give ``torch.bfloat16``, bit-exact).
+shards' forward dtype, ``hidden_dtype`` (bf16 shards give ``torch.bfloat16``, bit-exact;
+shards stored as float8 give the same dtype, dequantized by :mod:`eagle3data.shards`).
 
 Shards are opened lazily, in the process that reads them: building the dataset opens
 no file when a ``manifest.json`` lists the shards, and a handle opened before a

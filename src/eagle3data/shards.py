@@ -17,13 +17,15 @@ dataset                shape       dtype
 ``sample_ids``         [N]         variable-length UTF-8 strings
 =====================  ==========  ==============================================
 
-Root attributes: ``format`` = ``"eagle3-hidden-states"``, ``format_version`` = 1,
-``hidden_dtype``, ``hidden_encoding``, ``hidden_size``, ``compression``,
+Root attributes: ``format`` = ``"eagle3-hidden-states"``, ``format_version`` (1, or
+2 for scaled float8 storage, below), ``hidden_dtype`` (the forward dtype: what readers
+return), ``storage_dtype``, ``hidden_encoding``, ``hidden_size``, ``compression``,
 ``num_samples``, ``num_tokens``, plus the caller's provenance (model, tokenizer hash, aux layer ids
 in both conventions, ...). Lists are stored as arrays; dicts as JSON strings,
 whose keys are listed in the ``json_attrs`` attribute.
 
-Hidden-state encoding (``hidden_encoding``):
+Hidden-state encoding (``hidden_encoding``); ``storage_dtype`` is ``hidden_dtype``
+except for float8 (it is absent from shards written before it existed):
 
 * float16 / float32: ``"native"`` HDF5 floats.
 * bfloat16: HDF5 has no bfloat16 type, so the raw bits are stored as uint16
@@ -32,6 +34,30 @@ Hidden-state encoding (``hidden_encoding``):
       u16 = f["aux_hidden_states"][:]  # uint16 bit patterns
       x = (u16.astype(np.uint32) << 16).view(np.float32)  # numpy, exact
       t = torch.from_numpy(u16.view(np.int16)).view(torch.bfloat16)  # torch, bit-exact
+
+* ``storage_dtype = "float8_e4m3fn"`` (format version 2, half the bytes of bf16, lossy):
+  ``"scaled-float8_e4m3fn-bits-as-uint8"``. Each state is split, per token, into
+  blocks of ``scale_block_size`` (128) channels inside each layer (aux: each of the
+  three H-wide layers on its own; the last block of a layer is shorter when the block
+  size does not divide H), ``scale_granularity = "token_block"``. A block is stored as
+  float8 e4m3fn bits (uint8) of ``x / scale`` with ``scale = amax(|x|) / 448`` (1 for an
+  all-zero block) in float32 datasets ``aux_hidden_states_scale`` [T, 3 * ceil(H / B)]
+  and ``last_hidden_states_scale`` [T, ceil(H / B)]. Reading without this module::
+
+      u8, scale = f["aux_hidden_states"][:], f["aux_hidden_states_scale"][:]
+      x8 = torch.from_numpy(u8).view(torch.float8_e4m3fn).float()  # [T, 3H]
+      B, h = f.attrs["scale_block_size"], f.attrs["hidden_size"]
+      widths = [min(B, h - j) for j in range(0, h, B)] * 3  # * 1 for last_hidden_states
+      x = x8 * torch.from_numpy(scale).repeat_interleave(torch.tensor(widths), dim=1)
+      x = x.to(torch.bfloat16)  # hidden_dtype: what this module returns
+
+  Scales are per token because hidden states carry a few massive-activation channels
+  (~25000 against a median of 2 in SmolLM2's middle layers) and per block because
+  the block's largest value is stored exactly (see BENCHMARKS.md).
+
+Version 1 readers refuse version 2 shards (they would misread the uint8 bits), and
+this module writes version 1 whenever the storage is not float8, so older readers
+keep reading those.
 
 Compression (``compression`` = ``"none"``, ``"lzf"`` or ``"gzip"``; shards written
 before this attribute existed are uncompressed) uses only filters built into
@@ -53,6 +79,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -70,11 +97,15 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "FORMAT_VERSIONS",
+    "FP8_BLOCK_SIZE",
+    "FP8_DTYPE",
     "HiddenDtype",
     "Shard",
     "ShardCheck",
     "ShardFormatError",
     "ShardWriter",
+    "StorageDtype",
     "bytes_per_token",
     "file_sha256",
     "open_shard",
@@ -82,19 +113,39 @@ __all__ = [
 ]
 
 FORMAT_NAME = "eagle3-hidden-states"
-FORMAT_VERSION = 1
+#: The newest version this module reads and writes; it reads every one of FORMAT_VERSIONS.
+FORMAT_VERSION = 2
+FORMAT_VERSIONS = (1, 2)
+# Written unless the shard needs version 2 (scaled float8 storage).
+_PLAIN_VERSION = 1
 
 HiddenDtype = Literal["bfloat16", "float16", "float32"]
+StorageDtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
 
 NATIVE_ENCODING = "native"
 BF16_ENCODING = "bfloat16-bits-as-uint16"
+FP8_DTYPE = "float8_e4m3fn"
+FP8_ENCODING = "scaled-float8_e4m3fn-bits-as-uint8"
+#: Channels per float8 scale, inside each layer (see the module docstring).
+FP8_BLOCK_SIZE = 128
+FP8_GRANULARITY = "token_block"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_SCALE_DTYPE = np.dtype(np.float32)
+_SCALE_SUFFIX = "_scale"
 
+_HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
 _STORAGE_DTYPES: dict[str, np.dtype] = {
     "bfloat16": np.dtype(np.uint16),
     "float16": np.dtype(np.float16),
     "float32": np.dtype(np.float32),
+    FP8_DTYPE: np.dtype(np.uint8),
 }
-_ENCODINGS = {"bfloat16": BF16_ENCODING, "float16": NATIVE_ENCODING, "float32": NATIVE_ENCODING}
+_ENCODINGS = {
+    "bfloat16": BF16_ENCODING,
+    "float16": NATIVE_ENCODING,
+    "float32": NATIVE_ENCODING,
+    FP8_DTYPE: FP8_ENCODING,
+}
 
 _JSON_ATTRS = "json_attrs"
 _RESERVED_ATTRS = frozenset(
@@ -102,14 +153,19 @@ _RESERVED_ATTRS = frozenset(
         "format",
         "format_version",
         "hidden_dtype",
+        "storage_dtype",
         "hidden_encoding",
         "hidden_size",
+        "scale_granularity",
+        "scale_block_size",
         "compression",
         "num_samples",
         "num_tokens",
         _JSON_ATTRS,
     }
 )
+# (name, number of H-wide layers it concatenates)
+_HIDDEN = (("aux_hidden_states", 3), ("last_hidden_states", 1))
 _DATASETS = (
     "input_ids",
     "loss_mask",
@@ -152,6 +208,11 @@ class ShardWriter:
             w.write_states(i, aux, last)  # once per sample, any order
 
     Both produce the same format; a reader cannot tell them apart.
+
+    ``hidden_dtype`` is the forward dtype: states are cast to it (nearest even), and
+    readers return it. ``storage_dtype`` (default: the same) may be ``"float8_e4m3fn"``:
+    the states in ``hidden_dtype`` are then stored as scaled float8 (module docstring),
+    one float32 scale per token per ``scale_block_size`` channels of each layer.
     """
 
     def __init__(
@@ -162,9 +223,18 @@ class ShardWriter:
         hidden_dtype: HiddenDtype,
         attrs: Mapping[str, Any],
         compression: str | None = None,
+        storage_dtype: StorageDtype | None = None,
+        scale_block_size: int = FP8_BLOCK_SIZE,
     ) -> None:
         hidden_size = positive_int(hidden_size, "hidden_size")
         _check_hidden_dtype(hidden_dtype)
+        storage_dtype = hidden_dtype if storage_dtype in (None, "auto") else storage_dtype
+        if storage_dtype not in (hidden_dtype, FP8_DTYPE):
+            raise ValueError(
+                f"storage_dtype must be the hidden_dtype ({hidden_dtype!r}) or "
+                f"{FP8_DTYPE!r}, got {storage_dtype!r}"
+            )
+        scale_block_size = positive_int(scale_block_size, "scale_block_size")
         compression = None if compression == "none" else compression
         if compression not in _COMPRESSIONS:
             raise ValueError(
@@ -177,6 +247,9 @@ class ShardWriter:
         self.path = Path(path)
         self.hidden_size = hidden_size
         self.hidden_dtype: HiddenDtype = hidden_dtype
+        self.storage_dtype: StorageDtype = storage_dtype
+        self.scaled = storage_dtype == FP8_DTYPE
+        self.scale_block_size = min(scale_block_size, hidden_size)
         self.compression = compression
         # Encode now so an unstorable attr fails before any file is created.
         self._attrs = _encode_attrs(attrs)
@@ -188,7 +261,8 @@ class ShardWriter:
         self._ids: list[str] = []
         self._seen: set[str] = set()
         self._written: np.ndarray = np.zeros(0, dtype=bool)  # declared mode: states written
-        self._hidden_datasets: tuple[h5py.Dataset, h5py.Dataset] | None = None
+        # aux, last (and their scales, when scaled), looked up once.
+        self._hidden_datasets: tuple[h5py.Dataset, ...] | None = None
         self._flush: _FlushBehind
 
     @property
@@ -249,18 +323,13 @@ class ShardWriter:
             self._mode = "append"
             self._create_append_layout(f)
         ids, mask = self._checked_tokens(sample_id, input_ids, loss_mask)
-        aux, last = self._checked_states(sample_id, len(ids), aux_hidden_states, last_hidden_states)
+        states = self._checked_states(sample_id, len(ids), aux_hidden_states, last_hidden_states)
         start, stop = self._offsets[-1], self._offsets[-1] + len(ids)
-        for name, data in (
-            ("input_ids", ids),
-            ("loss_mask", mask),
-            ("aux_hidden_states", aux),
-            ("last_hidden_states", last),
-        ):
+        for name, data in (("input_ids", ids), ("loss_mask", mask), *states.items()):
             ds = f[name]
             ds.resize(stop, axis=0)
             ds[start:stop] = data
-        self._flush.wrote(aux.nbytes + last.nbytes)
+        self._flush.wrote(sum(a.nbytes for a in states.values()))
         self._offsets.append(stop)
         self._ids.append(sample_id)
         self._seen.add(sample_id)
@@ -302,13 +371,13 @@ class ShardWriter:
         if not self._ids:
             self._create_append_layout(f)  # an empty shard looks the same either way
             return
-        h, storage, total = self.hidden_size, _STORAGE_DTYPES[self.hidden_dtype], self.num_tokens
+        total = self.num_tokens
         self._create_fixed(f, "input_ids", np.concatenate(tokens))
         self._create_fixed(f, "loss_mask", np.concatenate(masks))
-        self._create_fixed(f, "aux_hidden_states", (total, 3 * h), storage)
-        self._create_fixed(f, "last_hidden_states", (total, h), storage)
+        for name, (dtype, width) in self._hidden_layout().items():
+            self._create_fixed(f, name, (total, width), dtype)
         # Looked up once: a lookup by name costs about as much as writing a short sample.
-        self._hidden_datasets = (f["aux_hidden_states"], f["last_hidden_states"])
+        self._hidden_datasets = tuple(f[name] for name in self._hidden_layout())
 
     def write_states(
         self,
@@ -326,14 +395,13 @@ class ShardWriter:
         if self._written[index]:
             raise ShardFormatError(f"sample {sample_id!r}: hidden states written twice")
         start, stop = self._offsets[index], self._offsets[index + 1]
-        aux, last = self._checked_states(
+        states = self._checked_states(
             sample_id, stop - start, aux_hidden_states, last_hidden_states
         )
         assert self._hidden_datasets is not None
-        aux_ds, last_ds = self._hidden_datasets
-        aux_ds[start:stop] = aux
-        last_ds[start:stop] = last
-        self._flush.wrote(aux.nbytes + last.nbytes)
+        for ds, data in zip(self._hidden_datasets, states.values(), strict=True):
+            ds[start:stop] = data
+        self._flush.wrote(sum(a.nbytes for a in states.values()))
         self._written[index] = True
 
     def _open_file(self, method: str) -> h5py.File:
@@ -353,40 +421,60 @@ class ShardWriter:
 
     def _checked_states(
         self, sample_id: str, num_tokens: int, aux_hidden_states: Any, last_hidden_states: Any
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> dict[str, np.ndarray]:
+        """What goes on disk, by dataset name, in the order of :meth:`_hidden_layout`."""
         h = self.hidden_size
         # Check shapes before casting: the cast may be a large device-to-host copy.
         _check_shape(aux_hidden_states, (num_tokens, 3 * h), "aux_hidden_states", sample_id, "3H")
         _check_shape(last_hidden_states, (num_tokens, h), "last_hidden_states", sample_id, "H")
-        aux = _to_storage(aux_hidden_states, self.hidden_dtype, "aux_hidden_states", sample_id)
-        last = _to_storage(last_hidden_states, self.hidden_dtype, "last_hidden_states", sample_id)
-        # Fail here rather than in a training job: NaN/inf (e.g. fp16 overflow) is never valid.
-        for name, stored in (("aux_hidden_states", aux), ("last_hidden_states", last)):
-            bad = _nonfinite_rows(stored, self.hidden_dtype)
+        out: dict[str, np.ndarray] = {}
+        for (name, layers), x in zip(_HIDDEN, (aux_hidden_states, last_hidden_states), strict=True):
+            if not self.scaled:
+                out[name] = _to_storage(x, self.hidden_dtype, name, sample_id)
+                bad = _nonfinite_rows(out[name], self.hidden_dtype)
+            else:
+                out[name], out[name + _SCALE_SUFFIX] = _to_fp8(
+                    x, self.hidden_dtype, layers, h, self.scale_block_size, name, sample_id
+                )
+                # A NaN or inf anywhere in a block makes its scale non-finite.
+                bad = ~np.isfinite(out[name + _SCALE_SUFFIX]).all(axis=1)
+            # Fail here rather than in a training job: NaN/inf (e.g. fp16 overflow) is never valid.
             if bad.any():
                 raise ShardFormatError(
                     f"sample {sample_id!r}: {name} has non-finite values in "
                     f"{int(bad.sum())} of {num_tokens} rows (as {self.hidden_dtype})"
                 )
-        return aux, last
+        return {name: out[name] for name in self._hidden_layout()}
+
+    def _hidden_layout(self) -> dict[str, tuple[np.dtype, int]]:
+        """Hidden-state datasets: name -> (dtype, row width)."""
+        storage, h = _STORAGE_DTYPES[self.storage_dtype], self.hidden_size
+        layout = {name: (storage, layers * h) for name, layers in _HIDDEN}
+        if self.scaled:
+            blocks = _num_blocks(h, self.scale_block_size)
+            for name, layers in _HIDDEN:
+                layout[name + _SCALE_SUFFIX] = (_SCALE_DTYPE, layers * blocks)
+        return layout
 
     def _write_header(self, f: h5py.File) -> None:
         f.attrs["format"] = FORMAT_NAME
-        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["format_version"] = FORMAT_VERSION if self.scaled else _PLAIN_VERSION
         f.attrs["hidden_dtype"] = self.hidden_dtype
-        f.attrs["hidden_encoding"] = _ENCODINGS[self.hidden_dtype]
+        f.attrs["storage_dtype"] = self.storage_dtype
+        f.attrs["hidden_encoding"] = _ENCODINGS[self.storage_dtype]
         f.attrs["hidden_size"] = self.hidden_size
+        if self.scaled:
+            f.attrs["scale_granularity"] = FP8_GRANULARITY
+            f.attrs["scale_block_size"] = self.scale_block_size
         f.attrs["compression"] = self.compression or "none"
         for key, value in self._attrs.items():
             f.attrs[key] = value
 
     def _create_append_layout(self, f: h5py.File) -> None:
-        storage = _STORAGE_DTYPES[self.hidden_dtype]
-        h = self.hidden_size
         self._create_rows(f, "input_ids", np.dtype(np.int32), ())
         self._create_rows(f, "loss_mask", np.dtype(np.uint8), ())
-        self._create_rows(f, "aux_hidden_states", storage, (3 * h,))
-        self._create_rows(f, "last_hidden_states", storage, (h,))
+        for name, (dtype, width) in self._hidden_layout().items():
+            self._create_rows(f, name, dtype, (width,))
 
     def _create_rows(self, f: h5py.File, name: str, dtype: np.dtype, row: tuple[int, ...]) -> None:
         f.create_dataset(
@@ -493,11 +581,20 @@ def _chunk_shape(dtype: np.dtype, row: tuple[int, ...]) -> tuple[int, ...]:
     return (max(1, _CHUNK_BYTES // row_bytes), *row)
 
 
-def bytes_per_token(hidden_size: int, hidden_dtype: str) -> int:
-    """Stored bytes per token, uncompressed: (3H + H) hidden values + int32 id + uint8 mask."""
+def bytes_per_token(hidden_size: int, hidden_dtype: str, storage_dtype: str | None = None) -> int:
+    """Stored bytes per token, uncompressed: (3H + H) hidden values (+ their float8
+    scales) + int32 id + uint8 mask. ``storage_dtype`` defaults to ``hidden_dtype``."""
     _check_hidden_dtype(hidden_dtype)
     hidden_size = positive_int(hidden_size, "hidden_size")
-    return 4 * hidden_size * _STORAGE_DTYPES[hidden_dtype].itemsize + 4 + 1
+    storage = hidden_dtype if storage_dtype in (None, "auto") else storage_dtype
+    if storage not in (hidden_dtype, FP8_DTYPE):
+        raise ValueError(
+            f"storage_dtype must be {hidden_dtype!r} or {FP8_DTYPE!r}, got {storage!r}"
+        )
+    scales = 0
+    if storage == FP8_DTYPE:
+        scales = 4 * _num_blocks(hidden_size, FP8_BLOCK_SIZE) * _SCALE_DTYPE.itemsize
+    return 4 * hidden_size * _STORAGE_DTYPES[storage].itemsize + scales + 4 + 1
 
 
 # --------------------------------------------------------------------------- read side
@@ -521,7 +618,13 @@ class Shard:
 
     @property
     def hidden_dtype(self) -> HiddenDtype:
+        """The forward dtype: what :meth:`aux_hidden_states` returns as torch."""
         return self.attrs["hidden_dtype"]
+
+    @property
+    def storage_dtype(self) -> StorageDtype:
+        """How the states are stored (``hidden_dtype``, or ``"float8_e4m3fn"``)."""
+        return self.attrs.get("storage_dtype", self.attrs["hidden_dtype"])
 
     @property
     def num_samples(self) -> int:
@@ -539,7 +642,9 @@ class Shard:
     ) -> np.ndarray | torch.Tensor:
         """Rows of ``[T, 3H]`` as numpy (bfloat16 decoded exactly to float32) or as torch.
 
-        ``as_torch=True`` returns the stored dtype (bfloat16/float16/float32) without copying.
+        ``as_torch=True`` returns ``hidden_dtype`` (bfloat16/float16/float32), bit-exact
+        and without copying unless the storage is float8; float8 states are dequantized
+        (value times its block's scale, rounded to ``hidden_dtype``), as numpy too.
         """
         return self._read_hidden("aux_hidden_states", rows, as_torch)
 
@@ -585,12 +690,25 @@ class Shard:
     ) -> np.ndarray | torch.Tensor:
         if self._file is None:
             raise ValueError(f"shard {self.path} is closed")
-        stored = self._file[name][rows if rows is not None else slice(None)]
-        return _decode_hidden(stored, self.hidden_dtype, as_torch)
+        rows = rows if rows is not None else slice(None)
+        stored = self._file[name][rows]
+        if self.storage_dtype != FP8_DTYPE:
+            return _decode_hidden(stored, self.hidden_dtype, as_torch)
+        scale = self._file[name + _SCALE_SUFFIX][rows]
+        h, block = self.hidden_size, int(self.attrs["scale_block_size"])
+        values = _dequantize_fp8(stored, scale, h, block)
+        if as_torch:
+            import torch
+
+            return torch.from_numpy(values).to(getattr(torch, self.hidden_dtype))
+        if self.hidden_dtype == "bfloat16":
+            return _round_to_bf16(values)
+        return values.astype(_STORAGE_DTYPES[self.hidden_dtype], copy=False)
 
 
 def open_shard(path: str | Path) -> Shard:
-    """Open a shard for reading; raises :class:`ShardFormatError` if it is not a v1 shard.
+    """Open a shard for reading; raises :class:`ShardFormatError` if it is not a shard of
+    a version this module reads (:data:`FORMAT_VERSIONS`).
 
     This checks the header and layout only; use :func:`validate_shard` for a full check.
     """
@@ -599,7 +717,7 @@ def open_shard(path: str | Path) -> Shard:
     try:
         attrs = _decode_attrs(f.attrs)
         problems = _header_errors(attrs)
-        missing = [name for name in _DATASETS if name not in f]
+        missing = [name for name in _required_datasets(attrs) if name not in f]
         if missing:
             problems.append(f"missing datasets {missing}")
         if problems:
@@ -678,7 +796,8 @@ class _Validator:
         self.attrs: dict[str, Any] = {}
         self.num_samples = 0
         self.num_tokens = 0
-        self.hidden_dtype: str | None = None
+        self.storage_dtype: str | None = None  # set only when the header describes it well
+        self.block: int | None = None  # float8: channels per scale
         self.offsets: np.ndarray | None = None  # set only when offsets are valid
         self.ids: list[str] | None = None
 
@@ -689,27 +808,25 @@ class _Validator:
         self._check_offsets()
         self._check_ids()
         self._check_tokens()
-        if self.hidden_dtype is not None:
-            for name in ("aux_hidden_states", "last_hidden_states"):
-                self._check_finite(name)
+        if self.storage_dtype is not None:
+            for name, _ in _HIDDEN:
+                self._check_rows(name, partial(_nonfinite_rows, storage_dtype=self.storage_dtype))
+                if self.storage_dtype == FP8_DTYPE:
+                    self._check_rows(name + _SCALE_SUFFIX, _bad_scale_rows)
 
     def _check_header(self) -> None:
         attrs = self.attrs = _decode_attrs(self.f.attrs)
         self.errors.extend(_header_errors(attrs))
-        dtype = attrs.get("hidden_dtype")
-        if (
-            isinstance(dtype, str)
-            and dtype in _STORAGE_DTYPES
-            and attrs.get("hidden_encoding") == _ENCODINGS[dtype]
-        ):
-            self.hidden_dtype = dtype
+        storage = _storage_of(attrs)
+        if storage is not None:
+            self.storage_dtype, self.block = storage
         h = attrs.get("hidden_size")
         if self.hidden_size is not None and h != self.hidden_size:
             self.errors.append(f"attr hidden_size: expected {self.hidden_size}, found {h!r}")
 
     def _check_layout(self) -> bool:
         f = self.f
-        missing = [name for name in _DATASETS if name not in f]
+        missing = [name for name in _required_datasets(self.attrs) if name not in f]
         if missing:
             self.errors.append(f"missing datasets {missing}")
             return False
@@ -721,16 +838,20 @@ class _Validator:
         tokens = f["input_ids"].shape[0] if f["input_ids"].ndim == 1 else -1
         samples = ids_ds.shape[0] if ids_ds.ndim == 1 else -1
         self.num_tokens, self.num_samples = max(tokens, 0), max(samples, 0)
-        storage = _STORAGE_DTYPES[self.hidden_dtype] if self.hidden_dtype else None
+        storage = _STORAGE_DTYPES[self.storage_dtype] if self.storage_dtype else None
         hidden = h if isinstance(h, int) and not isinstance(h, bool) and h > 0 else None
 
-        expected = {
+        expected: dict[str, tuple[np.dtype | None, tuple[int, ...] | None]] = {
             "input_ids": (np.dtype(np.int32), (tokens,)),
             "loss_mask": (np.dtype(np.uint8), (tokens,)),
-            "aux_hidden_states": (storage, (tokens, 3 * hidden) if hidden else None),
-            "last_hidden_states": (storage, (tokens, hidden) if hidden else None),
             "sample_offsets": (np.dtype(np.int64), (samples + 1,)),
         }
+        for name, layers in _HIDDEN:
+            expected[name] = (storage, (tokens, layers * hidden) if hidden else None)
+            if self.block is not None:
+                blocks = _num_blocks(hidden, self.block) if hidden else None
+                shape = (tokens, layers * blocks) if blocks else None
+                expected[name + _SCALE_SUFFIX] = (_SCALE_DTYPE, shape)
         for name, (dtype, shape) in expected.items():
             ds = f[name]
             if dtype is not None and ds.dtype != dtype:
@@ -803,8 +924,8 @@ class _Validator:
             self.errors.append(f"loss_mask: sample {self.ids[i]!r} has no loss tokens")
         self._more(len(no_loss), "samples without loss tokens")
 
-    def _check_finite(self, name: str) -> None:
-        assert self.hidden_dtype is not None
+    def _check_rows(self, name: str, bad_rows_of: Any) -> None:
+        """Scan ``name`` in bounded reads; ``bad_rows_of(rows)`` flags the bad ones."""
         ds = self.f[name]
         total = ds.shape[0]
         row_bytes = max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64)))
@@ -813,21 +934,21 @@ class _Validator:
             step = max(ds.chunks[0], step - step % ds.chunks[0])
         bad_rows: list[np.ndarray] = []
         for start in range(0, total, step):
-            bad = _nonfinite_rows(ds[start : start + step], self.hidden_dtype)
+            bad = bad_rows_of(ds[start : start + step])
             if bad.any():
                 bad_rows.append(np.flatnonzero(bad) + start)
         if not bad_rows:
             return
         rows = np.concatenate(bad_rows)
+        scales = name.endswith(_SCALE_SUFFIX)
+        what = "non-finite or non-positive scales" if scales else "non-finite values"
         if self.offsets is None or self.ids is None:
-            self.errors.append(
-                f"{name}: non-finite values in {rows.size} rows (first row {rows[0]})"
-            )
+            self.errors.append(f"{name}: {what} in {rows.size} rows (first row {rows[0]})")
             return
         samples = np.unique(np.searchsorted(self.offsets, rows, side="right") - 1)
         for i in samples[:_MAX_SAMPLE_ERRORS]:
-            self.errors.append(f"{name}: sample {self.ids[i]!r} has non-finite values")
-        self._more(len(samples), f"samples with non-finite {name}")
+            self.errors.append(f"{name}: sample {self.ids[i]!r} has {what}")
+        self._more(len(samples), f"samples with {what} in {name}")
 
     def _more(self, count: int, what: str) -> None:
         if count > _MAX_SAMPLE_ERRORS:
@@ -838,33 +959,82 @@ class _Validator:
 
 
 def _check_hidden_dtype(hidden_dtype: Any) -> None:
-    if not isinstance(hidden_dtype, str) or hidden_dtype not in _STORAGE_DTYPES:
+    if not isinstance(hidden_dtype, str) or hidden_dtype not in _HIDDEN_DTYPES:
         raise ValueError(
-            f"hidden_dtype must be one of {list(_STORAGE_DTYPES)}, got {hidden_dtype!r}"
+            f"hidden_dtype must be one of {list(_HIDDEN_DTYPES)}, got {hidden_dtype!r}"
         )
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _header_errors(attrs: Mapping[str, Any]) -> list[str]:
     errors = []
     if attrs.get("format") != FORMAT_NAME:
         errors.append(f"attr format={attrs.get('format')!r}, expected {FORMAT_NAME!r}")
-    if attrs.get("format_version") != FORMAT_VERSION:
+    version = attrs.get("format_version")
+    if isinstance(version, bool) or version not in FORMAT_VERSIONS:
         errors.append(
-            f"attr format_version={attrs.get('format_version')!r}, "
-            f"this reader understands {FORMAT_VERSION}"
+            f"attr format_version={version!r}, "
+            f"this reader understands {', '.join(map(str, FORMAT_VERSIONS))}"
         )
     dtype = attrs.get("hidden_dtype")
-    if not isinstance(dtype, str) or dtype not in _STORAGE_DTYPES:
-        errors.append(f"attr hidden_dtype={dtype!r}, expected one of {list(_STORAGE_DTYPES)}")
-    elif attrs.get("hidden_encoding") != _ENCODINGS[dtype]:
-        errors.append(
-            f"attr hidden_encoding={attrs.get('hidden_encoding')!r}, "
-            f"expected {_ENCODINGS[dtype]!r} for {dtype}"
-        )
+    if not isinstance(dtype, str) or dtype not in _HIDDEN_DTYPES:
+        errors.append(f"attr hidden_dtype={dtype!r}, expected one of {list(_HIDDEN_DTYPES)}")
+    else:
+        errors.extend(_storage_errors(attrs, dtype))
     h = attrs.get("hidden_size")
     if isinstance(h, bool) or not isinstance(h, int) or h < 1:
         errors.append(f"attr hidden_size={h!r}, expected a positive integer")
     return errors
+
+
+def _storage_errors(attrs: Mapping[str, Any], hidden_dtype: str) -> list[str]:
+    """How the states are stored, given a valid ``hidden_dtype``."""
+    storage = attrs.get("storage_dtype", hidden_dtype)  # absent before float8 existed
+    if storage not in (hidden_dtype, FP8_DTYPE):
+        return [f"attr storage_dtype={storage!r}, expected {hidden_dtype!r} or {FP8_DTYPE!r}"]
+    errors = []
+    if attrs.get("hidden_encoding") != _ENCODINGS[storage]:
+        errors.append(
+            f"attr hidden_encoding={attrs.get('hidden_encoding')!r}, "
+            f"expected {_ENCODINGS[storage]!r} for {storage}"
+        )
+    if storage == FP8_DTYPE:
+        if attrs.get("format_version") == _PLAIN_VERSION:
+            errors.append(f"attr format_version=1, but {FP8_DTYPE} storage is version 2")
+        if attrs.get("scale_granularity") != FP8_GRANULARITY:
+            errors.append(
+                f"attr scale_granularity={attrs.get('scale_granularity')!r}, "
+                f"expected {FP8_GRANULARITY!r}"
+            )
+        if not _is_positive_int(attrs.get("scale_block_size")):
+            errors.append(
+                f"attr scale_block_size={attrs.get('scale_block_size')!r}, "
+                f"expected a positive integer"
+            )
+    return errors
+
+
+def _storage_of(attrs: Mapping[str, Any]) -> tuple[str, int | None] | None:
+    """(storage dtype, float8 block size or None), or None if the header does not say."""
+    dtype = attrs.get("hidden_dtype")
+    if not isinstance(dtype, str) or dtype not in _HIDDEN_DTYPES or _storage_errors(attrs, dtype):
+        return None
+    storage = attrs.get("storage_dtype", dtype)
+    return storage, int(attrs["scale_block_size"]) if storage == FP8_DTYPE else None
+
+
+def _required_datasets(attrs: Mapping[str, Any]) -> tuple[str, ...]:
+    if attrs.get("storage_dtype") != FP8_DTYPE:
+        return _DATASETS
+    return (*_DATASETS, *(name + _SCALE_SUFFIX for name, _ in _HIDDEN))
+
+
+def _num_blocks(hidden_size: int, block: int) -> int:
+    """Scales per token per layer: ``block``-channel blocks, the last one maybe shorter."""
+    return -(-hidden_size // block)
 
 
 def _torch_module() -> Any:
@@ -964,12 +1134,137 @@ def _bf16_bits_to_float32(u16: np.ndarray) -> np.ndarray:
     return (u16.astype(np.uint32) << 16).view(np.float32)
 
 
-def _nonfinite_rows(stored: np.ndarray, hidden_dtype: str) -> np.ndarray:
+def _nonfinite_rows(stored: np.ndarray, storage_dtype: str) -> np.ndarray:
     """Per-row flag: any NaN/inf in the stored representation."""
-    # For bfloat16 bits, an all-ones exponent means inf or NaN.
-    bf16 = hidden_dtype == "bfloat16"
-    bad = (stored & np.uint16(0x7F80)) == 0x7F80 if bf16 else ~np.isfinite(stored)
+    if storage_dtype == "bfloat16":  # an all-ones exponent means inf or NaN
+        bad = (stored & np.uint16(0x7F80)) == 0x7F80
+    elif storage_dtype == FP8_DTYPE:  # e4m3fn has no inf; NaN is S.1111.111
+        bad = (stored & np.uint8(0x7F)) == 0x7F
+    else:
+        bad = ~np.isfinite(stored)
     return bad.reshape(bad.shape[0], -1).any(axis=1)
+
+
+def _bad_scale_rows(scales: np.ndarray) -> np.ndarray:
+    """Per-row flag: a float8 scale that is not finite and positive."""
+    return ~(np.isfinite(scales) & (scales > 0)).all(axis=1)
+
+
+# --------------------------------------------------------------------------- float8
+
+
+def _fp8_code_values() -> np.ndarray:
+    """float32 value of each float8_e4m3fn bit pattern (NaN for 0x7F and 0xFF)."""
+    code = np.arange(256, dtype=np.int64)
+    exponent, mantissa = (code >> 3) & 0xF, code & 0x7
+    magnitude = np.where(
+        exponent == 0,
+        mantissa / 8.0 * 2.0**-6,  # subnormal
+        (1 + mantissa / 8.0) * np.exp2(exponent - 7.0),
+    )
+    values = np.where(code & 0x80, -magnitude, magnitude).astype(np.float32)
+    values[(code & 0x7F) == 0x7F] = np.nan
+    return values
+
+
+_FP8_VALUES = _fp8_code_values()
+
+
+def _float32_to_fp8_bits(a: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> float8_e4m3fn bits, for |a| <= 448 or NaN,
+    matching ``tensor.to(torch.float8_e4m3fn)``."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    sign = ((u >> 24) & np.uint32(0x80)).astype(np.uint8)
+    mag = u & np.uint32(0x7FFFFFFF)
+    # Normal range: keep 3 of float32's 23 mantissa bits, rounding to nearest even,
+    # and rebias the exponent (127 -> 7). 448 is the largest value, so no rounding overflows.
+    rounded = (mag + (np.uint32(0x7FFFF) + ((mag >> 20) & np.uint32(1)))) >> 20
+    normal = rounded.astype(np.int64) - ((127 - 7) << 3)
+    # Below 2**-6: subnormals, multiples of 2**-9 (np.rint rounds halves to even).
+    absolute = mag.view(np.float32)
+    nan = np.isnan(absolute)
+    subnormal = np.rint(np.where(nan, 0, absolute) * np.float32(512.0)).astype(np.int64)
+    code = np.where(absolute < np.float32(2.0**-6), subnormal, normal)
+    code = np.where(nan, 0x7F, code).astype(np.uint8)
+    return code | sign
+
+
+def _to_fp8(
+    x: Any, hidden_dtype: str, layers: int, h: int, block: int, name: str, sample_id: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """States [T, layers * h], cast to ``hidden_dtype``, as float8 bits [T, layers * h]
+    and float32 scales [T, layers * ceil(h / block)] (scale = block amax / 448)."""
+    torch = _torch_module()
+    if torch is not None and isinstance(x, torch.Tensor):
+        if not x.is_floating_point():
+            raise ShardFormatError(
+                f"sample {sample_id!r}: {name} must be floating point, got {x.dtype}"
+            )
+        # Where the states are (a GPU, if the caller kept them there): a quarter of
+        # float32's bytes cross the bus. In place on one float32 copy: this runs on the
+        # writer thread for every batch.
+        values = x.detach().to(getattr(torch, hidden_dtype)).to(torch.float32, copy=True)
+        blocks, pad = _blocks_of(values, layers, h, block, torch.nn.functional.pad)
+        # NaN/inf in a block give a NaN/inf scale: the caller's non-finite check.
+        amax = torch.maximum(blocks.amax(dim=-1, keepdim=True), -blocks.amin(dim=-1, keepdim=True))
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+        q = blocks.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        bits = _unblock(q.view(torch.uint8), layers, h, pad).cpu().contiguous().numpy()
+        return bits, scale.squeeze(-1).cpu().numpy()
+
+    # numpy: the same float32 arithmetic, bit for bit.
+    values = _decode_hidden(_to_storage(x, hidden_dtype, name, sample_id), hidden_dtype, False)
+    values = np.array(values, dtype=np.float32)  # a copy: changed in place below
+
+    def np_pad(a: np.ndarray, widths: tuple[int, int]) -> np.ndarray:
+        return np.pad(a, [(0, 0)] * (a.ndim - 1) + [widths])
+
+    blocks, pad = _blocks_of(values, layers, h, block, np_pad)
+    amax = np.maximum(blocks.max(axis=-1, keepdims=True), -blocks.min(axis=-1, keepdims=True))
+    with np.errstate(invalid="ignore"):
+        scale = np.where(amax == 0, np.float32(1.0), amax / np.float32(FP8_MAX))
+        np.divide(blocks, scale, out=blocks)
+    np.clip(blocks, -FP8_MAX, FP8_MAX, out=blocks)
+    return _unblock(_float32_to_fp8_bits(blocks), layers, h, pad), scale[..., 0]
+
+
+def _blocks_of(values: Any, layers: int, h: int, block: int, pad_fn: Any) -> tuple[Any, int]:
+    """[T, layers * h] -> [T, layers * nb, block], each layer zero-padded to nb * block."""
+    t, nb = values.shape[0], _num_blocks(h, block)
+    pad = nb * block - h
+    per_layer = values.reshape(t, layers, h)
+    if pad:
+        per_layer = pad_fn(per_layer, (0, pad))
+    return per_layer.reshape(t, layers * nb, block), pad
+
+
+def _unblock(blocks: Any, layers: int, h: int, pad: int) -> Any:
+    """Inverse of :func:`_blocks_of`."""
+    t = blocks.shape[0]
+    return blocks.reshape(t, layers, h + pad)[..., :h].reshape(t, layers * h)
+
+
+def _dequantize_fp8(bits: np.ndarray, scales: np.ndarray, h: int, block: int) -> np.ndarray:
+    """float8 bits [T, layers * h] times their block scales -> float32 [T, layers * h]."""
+    values = _FP8_VALUES[bits]  # a lookup: faster than any float8 cast on CPUs
+    t, width = values.shape
+    layers, nb = width // h, _num_blocks(h, block)
+    if h % block == 0:
+        per_block = values.reshape(t, layers * nb, block)
+        per_block *= scales.reshape(t, layers * nb, 1)
+        return values
+    for j in range(layers * nb):  # a shorter last block per layer: block by block, in place
+        start = (j // nb) * h + (j % nb) * block
+        values[:, start : min(start + block, (j // nb + 1) * h)] *= scales[:, j : j + 1]
+    return values
+
+
+def _round_to_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 rounded (nearest even) to the bfloat16 grid, in place; still float32."""
+    u = values.view(np.uint32)
+    u += np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))
+    u &= np.uint32(0xFFFF0000)
+    return values
 
 
 def _decode_hidden(stored: np.ndarray, hidden_dtype: str, as_torch: bool) -> Any:

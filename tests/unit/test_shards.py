@@ -238,8 +238,9 @@ def test_attrs_round_trip(tmp_path: Path):
     expected = {**attrs, "source": str(tmp_path / "prompts.jsonl")}
     expected |= {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": 1,  # version 2 only for float8 storage (test_fp8_storage.py)
         "hidden_dtype": "float32",
+        "storage_dtype": "float32",
         "hidden_encoding": "native",
         "hidden_size": H,
         "compression": "none",
@@ -257,7 +258,16 @@ def test_attrs_round_trip(tmp_path: Path):
 
 
 @pytest.mark.parametrize(
-    "key", ["format", "hidden_dtype", "num_samples", "json_attrs", "compression"]
+    "key",
+    [
+        "format",
+        "hidden_dtype",
+        "storage_dtype",
+        "scale_block_size",
+        "num_samples",
+        "json_attrs",
+        "compression",
+    ],
 )
 def test_reserved_attrs_are_refused(tmp_path: Path, key: str):
     with pytest.raises(ValueError, match="written by the shard module"):
@@ -537,11 +547,12 @@ def test_hidden_size_mismatch(shard_path: Path):
 
 
 def test_wrong_format_version(shard_path: Path):
+    future = FORMAT_VERSION + 1
     with h5py.File(shard_path, "r+") as f:
-        f.attrs["format_version"] = 2
+        f.attrs["format_version"] = future
     check = validate_shard(shard_path)
-    assert check.errors == ("attr format_version=2, this reader understands 1",)
-    with pytest.raises(ShardFormatError, match="format_version=2"):
+    assert check.errors == (f"attr format_version={future}, this reader understands 1, 2",)
+    with pytest.raises(ShardFormatError, match=f"format_version={future}"):
         open_shard(shard_path)
 
 

@@ -18,7 +18,9 @@ conversation, written by its ``scripts/prepare_hidden_states.py``:
 ``torch.load(path, weights_only=False, mmap=True)``; training then uses
 ``aux_hidden_state`` as the draft input and ``hidden_state`` as the target (projected
 by the target's lm_head). Unlike SpecForge's own capture, no padding is stored: L is
-the conversation's length.
+the conversation's length. "Model dtype" is the shards' ``hidden_dtype``: shards stored
+as float8 (``hidden_states.storage_dtype``) are dequantized to it by the loader, since
+SpecForge reads plain tensors, so the export takes the bytes of the forward dtype.
 
 ``index.json`` (ignored by SpecForge's reader: not a ``.ckpt``) maps every file to its
 conversation id and records the shards' provenance attributes.

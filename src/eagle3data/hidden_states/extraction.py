@@ -23,6 +23,7 @@ from ..shards import ShardWriter
 from ..tokenization.table import read_row_range
 from .backends import Extractor, build_extractor
 from .planning import shard_spec
+from .settings import storage_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -175,6 +176,7 @@ def extract_shard(
         hidden_dtype=dtype,
         attrs=attrs,
         compression=hidden_cfg.get("compression", "none"),
+        storage_dtype=storage_dtype(hidden_cfg),
     ) as writer:
         extract_into_shard(
             extractor,

@@ -27,7 +27,7 @@ from ..model_config import hidden_size, read_model_config, resolve_dtype_name
 from ..shards import bytes_per_token
 from ..tokenization.table import read_rows
 from ..units import human_bytes
-from .settings import hidden_state_dtype
+from .settings import hidden_state_dtype, storage_dtype
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,8 @@ def plan_shards(
     model_config = read_model_config(model_path)
     dtype = resolve_dtype_name(hidden_state_dtype(hidden_cfg, model_dtype), model_config)
     width = hidden_size(model_config)
-    per_token = bytes_per_token(width, dtype)
+    storage = storage_dtype(hidden_cfg)
+    per_token = bytes_per_token(width, dtype, storage)
     rows = read_rows(tokenized_path)  # once: the slices below are views
     lengths = rows["num_tokens"].to_list()
     shards = cut_shards(lengths, max(1, hidden_cfg["shard_bytes"] // per_token))
@@ -135,6 +136,7 @@ def plan_shards(
         {
             "dataset": dataset,
             "hidden_dtype": dtype,
+            "storage_dtype": storage or dtype,
             "hidden_size": width,
             "bytes_per_token": per_token,
             "tokens": total,

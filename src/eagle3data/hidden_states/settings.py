@@ -3,7 +3,10 @@
 :func:`hidden_state_settings` is the ``params.settings`` of the plan_shards and
 hidden_states rules (their rerun trigger) and what their scripts read back; where and
 on how many GPUs the states are computed does not change them, so those keys are left
-out: adding them, or moving a run to another machine, re-runs nothing.
+out: adding them, or moving a run to another machine, re-runs nothing. Keys added
+later are left out while they hold the default that stores what was stored before
+(``storage_dtype: auto``), so upgrading re-extracts nothing; any other value changes
+the states, and the settings, so shards are extracted again.
 """
 
 from __future__ import annotations
@@ -13,10 +16,16 @@ from typing import Any
 
 # hidden_states.* keys that say how a shard is computed, not what it holds.
 EXECUTION_KEYS = ("gpus_per_job", "sglang")
+# Keys added after shards existed, and the default that keeps the old content.
+_LATER_DEFAULTS = {"storage_dtype": "auto"}
 
 
 def hidden_state_settings(config: Mapping[str, Any]) -> dict[str, Any]:
-    hidden = {k: v for k, v in config["hidden_states"].items() if k not in EXECUTION_KEYS}
+    hidden = {
+        k: v
+        for k, v in config["hidden_states"].items()
+        if k not in EXECUTION_KEYS and not (k in _LATER_DEFAULTS and v == _LATER_DEFAULTS[k])
+    }
     return {"hidden_states": hidden, "dtype": config["model"]["dtype"]}
 
 
@@ -27,6 +36,12 @@ def execution_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     execution = {k: v for k, v in config["hidden_states"].items() if k in EXECUTION_KEYS}
     execution["trust_remote_code"] = config["model"].get("trust_remote_code", False)
     return execution
+
+
+def storage_dtype(hidden_cfg: Mapping[str, Any]) -> str | None:
+    """``hidden_states.storage_dtype``: None (``auto``, absent) stores the forward dtype."""
+    value = hidden_cfg.get("storage_dtype", "auto")
+    return None if value == "auto" else value
 
 
 def hidden_state_dtype(hidden_cfg: Mapping[str, Any], model_dtype: str) -> str:

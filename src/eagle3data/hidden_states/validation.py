@@ -22,6 +22,7 @@ CHECKS = [
     "dataset shapes and dtypes against attributes",
     "offsets start at 0, strictly increase, end at the token count",
     "all hidden states finite",
+    "float8 storage: one finite, positive float32 scale per token per block",
     "every sample has at least one loss token",
     "ids unique and equal to the planned slice of the tokenized data",
     "tokenized samples are the responses in order, each trained (whole or per assistant "

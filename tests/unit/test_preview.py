@@ -61,3 +61,13 @@ def test_a_model_not_converted_yet_gives_no_bytes(tmp_path) -> None:
         "Hidden-state estimate (from the files on disk):",
         "  A1: unknown until the model directory exists",
     ]
+
+
+def test_fp8_storage_halves_the_estimate(tmp_path, model_dir) -> None:
+    config = _config(model_dir, A1={"token_budget": 1_000_000})
+    bf16 = preview.estimate_hidden_states(config, "A1", Results(tmp_path)).bytes_per_token
+    config["hidden_states"]["storage_dtype"] = "float8_e4m3fn"
+    fp8 = preview.estimate_hidden_states(config, "A1", Results(tmp_path)).bytes_per_token
+    # FP8 values plus one float32 scale per token per 128 channels (4 x 56 blocks).
+    assert fp8 == 4 * 7168 + 4 * 4 * 56 + 5
+    assert fp8 / bf16 < 0.52

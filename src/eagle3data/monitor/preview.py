@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..generation.settings import journal_key
-from ..hidden_states.settings import hidden_state_dtype
+from ..hidden_states.settings import hidden_state_dtype, storage_dtype
 from ..layout import JOURNAL, PROMPTS, STATUS_CACHE, Results
 from ..model_config import hidden_size, read_model_config, resolve_dtype_name
 from ..prompts.table import prompt_order
@@ -54,7 +54,11 @@ def model_bytes_per_token(config: Mapping[str, Any]) -> int | None:
         return None
     model_config = read_model_config(model_path)
     requested = hidden_state_dtype(config["hidden_states"], config["model"]["dtype"])
-    return bytes_per_token(hidden_size(model_config), resolve_dtype_name(requested, model_config))
+    return bytes_per_token(
+        hidden_size(model_config),
+        resolve_dtype_name(requested, model_config),
+        storage_dtype(config["hidden_states"]),
+    )
 
 
 def estimate_hidden_states(

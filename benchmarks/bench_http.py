@@ -7,8 +7,17 @@ a closed connection frees its slot (as SGLang aborts such a request).
 
     .venv/bin/python benchmarks/bench_http.py                 # prints a markdown table
     .venv/bin/python benchmarks/bench_http.py --concurrency 64 512 --slots 64 --tokens-per-s 200
+    .venv/bin/python benchmarks/bench_http.py --lengths lognormal maxshare --policy tail mean
 
-Reported per client concurrency, all measured in the same run:
+Completion lengths (``--lengths``, a hash of the prompt picks each one), with mean M:
+- normal: M +- M/4, uniform (max_tokens 100,000: never reached);
+- lognormal: log-normal, sigma 0.6, mean M, max_tokens 5 M;
+- maxshare: a thinking model: 20% hit max_tokens (3 M), the rest log-normal (sigma 0.6)
+  around M/2; mean M.
+``--policy mean`` is the dispatch before tail-aware planning (running mean throughout),
+for a before/after comparison in the same run.
+
+Reported per length distribution, client concurrency and policy, all in the same run:
 - capacity ratio: completion tokens the server delivered per second of the run,
   divided by S x R; "steady" excludes the final drain (from the moment dispatch
   stopped to the end), which no client can fill once the budget is reached;
@@ -21,8 +30,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import logging
+import math
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,29 +46,90 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
+from eagle3data.generation import driver  # noqa: E402
 from eagle3data.generation.driver import GenerationJob, Prompt, run_generation  # noqa: E402
 from eagle3data.generation.engines.openai_engine import HttpSettings, OpenAIEngine  # noqa: E402
 from eagle3data.prompts.sources import prompt_hash  # noqa: E402
 
-SAMPLING = {
+BASE_SAMPLING = {
     "temperature": 0.0,
     "top_p": 1.0,
     "top_k": -1,
-    "max_tokens": 100_000,
     "repetition_penalty": 1.0,
     "stop": [],
 }
+LENGTHS = ("normal", "lognormal", "maxshare")
+SIGMA = 0.6
+MAX_SHARE = 0.2
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+def max_tokens(lengths: str, mean: int) -> int:
+    return {"normal": 100_000, "lognormal": 5 * mean, "maxshare": 3 * mean}[lengths]
+
+
+def sampling(lengths: str, mean: int) -> dict:
+    return {**BASE_SAMPLING, "max_tokens": max_tokens(lengths, mean)}
+
+
+def _unit(text: str, salt: str) -> float:
+    """A number in (0, 1) from a hash: the same prompt always gets the same length."""
+    digest = hashlib.sha256(f"{salt}\0{text}".encode()).digest()
+    return (int.from_bytes(digest[:8], "big") + 0.5) / 2**64
+
+
+def _lognormal(text: str, mean: float) -> int:
+    mu = math.log(mean) - SIGMA**2 / 2
+    return max(1, round(math.exp(mu + SIGMA * statistics.NormalDist().inv_cdf(_unit(text, "n")))))
+
+
+def completion_tokens(lengths: str, text: str, mean: int) -> int:
+    """Tokens the simulated engine would generate for a prompt, before max_tokens."""
+    if lengths == "lognormal":
+        return _lognormal(text, mean)
+    if _unit(text, "cap") < MAX_SHARE:
+        return 10**9  # cut at max_tokens (finish_reason "length")
+    return _lognormal(text, (1 - MAX_SHARE * 3) / (1 - MAX_SHARE) * mean)
+
+
+def serve(args: argparse.Namespace) -> None:
+    """``--serve``: the fake engine with the chosen length distribution (a subprocess)."""
+    sys.path.insert(0, str(REPO / "tests" / "support"))
+    import fake_openai
+
+    tokens_fn = None
+    if args.lengths[0] != "normal":
+
+        def tokens_fn(messages: list) -> int:
+            text = fake_openai.last_user_text(messages)
+            return completion_tokens(args.lengths[0], text, args.mean_tokens)
+
+    async def run() -> None:
+        server = fake_openai.FakeOpenAI(
+            model="bench",
+            mean_tokens=args.mean_tokens,
+            tokens_fn=tokens_fn,
+            slots=args.slots,
+            tokens_per_s=args.tokens_per_s,
+        )
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        print(f"READY {await server.start(0)}", flush=True)
+        await stop.wait()
+        await server.stop()
+
+    fake_openai._raise_fd_limit()
+    asyncio.run(run())
+
+
+def start_server(args: argparse.Namespace, lengths: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [
             sys.executable,
-            str(REPO / "tests" / "support" / "fake_openai.py"),
-            "--port",
-            "0",
-            "--model",
-            "bench",
+            __file__,
+            "--serve",
+            "--lengths",
+            lengths,
             "--slots",
             str(args.slots),
             "--tokens-per-s",
@@ -88,7 +162,7 @@ def _ratio_before_drain(stats: dict, capacity: float, drain_start: float, wall: 
     return (stats["completion_tokens"] - drain * capacity) / capacity / max(drain_start, 1e-9)
 
 
-def run_once(url: str, concurrency: int, args: argparse.Namespace) -> dict:
+def run_once(url: str, concurrency: int, lengths: str, policy: str, args) -> dict:
     budget = args.budget_factor * args.mean_tokens
     n_prompts = int(budget / args.mean_tokens * 1.5) + concurrency
     prompts = []
@@ -102,7 +176,7 @@ def run_once(url: str, concurrency: int, args: argparse.Namespace) -> dict:
             prompts=prompts,
             journal=Path(tmp) / "journal.jsonl",
             model="bench",
-            sampling=SAMPLING,
+            sampling=sampling(lengths, args.mean_tokens),
             token_budget=budget,
             progress_interval_s=3600,
         )
@@ -110,17 +184,25 @@ def run_once(url: str, concurrency: int, args: argparse.Namespace) -> dict:
         stopped_at: list[float] = []
 
         def factory() -> OpenAIEngine:
-            return _DispatchClock(settings, stopped_at)
+            return _DispatchClock(settings, job.sampling, stopped_at)
 
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        result = run_generation(job, factory, streaming=True)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        saved = driver._MIN_FIT
+        if policy == "mean":  # the dispatch before tail-aware planning
+            driver._MIN_FIT = 10**9
+        try:
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            result = run_generation(job, factory, streaming=True)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        finally:
+            driver._MIN_FIT = saved
     time.sleep(0.5)  # let the server count the cancelled requests
     stats = server_call(url, "/stats")
     capacity = args.slots * args.tokens_per_s
     drain_start = stopped_at[0] - t0 if stopped_at else wall
     delivered = stats["completion_tokens"]
     return {
+        "lengths": lengths,
+        "policy": policy,
         "concurrency": concurrency,
         "budget": budget,
         "wall_s": wall,
@@ -138,8 +220,8 @@ def run_once(url: str, concurrency: int, args: argparse.Namespace) -> dict:
 class _DispatchClock(OpenAIEngine):
     """Notes the last time the driver sent a new conversation (start of the drain)."""
 
-    def __init__(self, settings: HttpSettings, stopped_at: list[float]) -> None:
-        super().__init__(settings, sampling=SAMPLING, seed=0)
+    def __init__(self, settings: HttpSettings, sampling: dict, stopped_at: list[float]) -> None:
+        super().__init__(settings, sampling=sampling, seed=0)
         self._stopped_at = stopped_at
 
     async def complete(self, messages):  # type: ignore[no-untyped-def]
@@ -147,7 +229,7 @@ class _DispatchClock(OpenAIEngine):
         return await super().complete(messages)
 
 
-async def _minimal_client(url: str, concurrency: int, n: int) -> tuple[int, float]:
+async def _minimal_client(url: str, concurrency: int, n: int, limit: int) -> tuple[int, float]:
     """The reference: one aiohttp session, a semaphore, no budget logic at all."""
     import aiohttp
 
@@ -159,7 +241,7 @@ async def _minimal_client(url: str, concurrency: int, n: int) -> tuple[int, floa
         body = {
             "model": "bench",
             "messages": [{"role": "user", "content": f"benchmark prompt {i}"}],
-            "max_tokens": SAMPLING["max_tokens"],
+            "max_tokens": limit,
             "temperature": 0.0,
         }
         async with sem, session.post(f"{url}/chat/completions", json=body) as resp:
@@ -173,45 +255,56 @@ async def _minimal_client(url: str, concurrency: int, n: int) -> tuple[int, floa
         return tokens, time.perf_counter() - t0
 
 
-def run_minimal(url: str, concurrency: int, n: int, args: argparse.Namespace) -> float:
+def run_minimal(url: str, concurrency: int, n: int, lengths: str, args) -> float:
     server_call(url, "/stats/reset", "POST")
-    tokens, wall = asyncio.run(_minimal_client(url, concurrency, n))
+    limit = max_tokens(lengths, args.mean_tokens)
+    tokens, wall = asyncio.run(_minimal_client(url, concurrency, n, limit))
     return tokens / wall / (args.slots * args.tokens_per_s)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 512])
+    parser.add_argument("--lengths", nargs="+", choices=LENGTHS, default=list(LENGTHS))
+    parser.add_argument("--policy", nargs="+", choices=["tail", "mean"], default=["tail"])
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--tokens-per-s", type=float, default=200.0)
     parser.add_argument("--mean-tokens", type=int, default=200)
     parser.add_argument("--budget-factor", type=int, default=1000)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve:
+        serve(args)
+        return
     logging.basicConfig(level=logging.WARNING)
-    proc, url = start_server(args)
-    try:
-        rows = []
-        for c in args.concurrency:
-            row = run_once(url, c, args)
-            row["minimal_ratio"] = run_minimal(url, c, row["requests"], args)
-            rows.append(row)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    rows = []
+    for lengths in args.lengths:
+        proc, url = start_server(args, lengths)
+        try:
+            for c in args.concurrency:
+                for policy in args.policy:
+                    row = run_once(url, c, lengths, policy, args)
+                    row["minimal_ratio"] = run_minimal(url, c, row["requests"], lengths, args)
+                    rows.append(row)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
     print(
         f"simulated engine: {args.slots} slots x {args.tokens_per_s:g} tok/s = "
         f"{args.slots * args.tokens_per_s:g} tok/s; mean completion {args.mean_tokens} tokens; "
         f"budget {args.budget_factor} x mean\n"
     )
     print(
-        "| concurrency | wall s | capacity ratio | minimal client, same requests | ours / minimal "
-        "| client CPU ms/request | waste % of budget | cancelled in flight | over budget |"
+        "| lengths | policy | concurrency | wall s | capacity ratio "
+        "| minimal client, same requests | ours / minimal | client CPU ms/request "
+        "| waste % of budget | cancelled in flight | over budget |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['concurrency']} | {r['wall_s']:.1f} | {r['ratio']:.3f} | "
-            f"{r['minimal_ratio']:.3f} | {r['ratio'] / r['minimal_ratio']:.3f} | "
+            f"| {r['lengths']} | {r['policy']} | {r['concurrency']} | {r['wall_s']:.1f} | "
+            f"{r['ratio']:.3f} | {r['minimal_ratio']:.3f} | "
+            f"{r['ratio'] / r['minimal_ratio']:.3f} | "
             f"{r['cpu_ms_per_request']:.2f} | {r['waste_pct']:.2f} | {r['cancelled']} | "
             f"{'YES' if r['over_budget'] else 'no'} |"
         )

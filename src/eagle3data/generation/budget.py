@@ -13,8 +13,10 @@ without generating the next prompt.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections import deque
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -130,6 +132,205 @@ def plan_dispatch(
         elif not outcome.failed:
             tokens += outcome.completion_tokens
             n_selected += 1
+    return batch
+
+
+# --------------------------------------------------------------------------- the end of a budget
+#
+# Near the end, the outcome of position p is needed only if the positions before it do not
+# reach the budget: P(needed) = P(committed + lengths of the unknown positions before p <
+# budget) (the one that will not fit is needed too: the prefix is decided once it is known).
+# The running mean underestimates the unknown lengths twice over when lengths are
+# long-tailed: requests still in flight are the long ones (the short ones finished), and the
+# observed lengths miss exactly those. So the lengths in flight are estimated from the
+# observed distribution *given how far each request has got*, with the requests in flight
+# counted as censored observations (Kaplan-Meier), and the sum is judged with its variance.
+
+Z_LIKELY = 0.25  # admit when P(needed) >= 60%
+Z_HOPELESS = -2.5  # never admit when P(needed) < 0.6%
+
+
+@dataclass(frozen=True)
+class LengthFit:
+    """A completion-length distribution (support points and masses) fitted by
+    :meth:`LengthModel.fit`, with suffix sums for conditional moments."""
+
+    points: npt.NDArray[np.float64]  # ascending support; the last is the tail bound
+    mass: npt.NDArray[np.float64]
+    above0: npt.NDArray[np.float64]  # above0[i] = sum(mass[i:]) = P(L > points[i - 1])
+    above1: npt.NDArray[np.float64]  # sum(mass[i:] * points[i:])
+    above2: npt.NDArray[np.float64]  # sum(mass[i:] * points[i:] ** 2)
+    top: float  # what a request longer than anything seen is assumed to reach
+
+    @property
+    def mean(self) -> float:
+        return float(self.above1[0] / self.above0[0])
+
+    @property
+    def var(self) -> float:
+        return max(float(self.above2[0] / self.above0[0]) - self.mean**2, 0.0)
+
+    def survival(self, tokens: npt.ArrayLike) -> npt.NDArray[np.float64]:
+        """P(L > tokens)."""
+        return self.above0[np.searchsorted(self.points, tokens, "right")]
+
+    def conditional(
+        self, progress: npt.ArrayLike
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """Mean and variance of L given L > progress, elementwise."""
+        a = np.asarray(progress, dtype=np.float64)
+        i = np.searchsorted(self.points, a, "right")
+        s0, s1, s2 = self.above0[i], self.above1[i], self.above2[i]
+        seen = s0 > 1e-12
+        s0 = np.where(seen, s0, 1.0)
+        # Longer than every observation and past the tail bound (multi-turn): at least a+1.
+        mean = np.where(seen, s1 / s0, np.maximum(a + 1.0, self.top))
+        var = np.where(seen, np.maximum(s2 / s0 - mean**2, 0.0), 0.0)
+        return mean, var
+
+    def expected_max_residual(self, progress: Sequence[float], steps: int = 64) -> float:
+        """E[max_x (L_x - a_x) | L_x > a_x]: how long the requests in flight (progress
+        a_x) keep the engine busy, i.e. when the last of them is expected to finish."""
+        if not progress:
+            return 0.0
+        a = np.asarray(progress, dtype=np.float64)
+        horizon = max(self.top - float(a.min()), 1.0)
+        dt = horizon / steps
+        t = (np.arange(steps) + 0.5) * dt
+        alive = self.survival(a)
+        alive_at = self.survival(a[:, None] + t[None, :])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            done = np.where(alive[:, None] > 1e-12, 1.0 - alive_at / alive[:, None], 1.0)
+        all_done = np.prod(np.clip(done, 0.0, 1.0), axis=0)
+        return float(np.sum(1.0 - all_done) * dt)
+
+
+class LengthModel:
+    """The last ``window`` completion lengths observed (a sliding window, so the result
+    is a function of the completions in order), fitted together with the requests in
+    flight as censored observations."""
+
+    def __init__(self, max_tokens: float | None, window: int = 4096) -> None:
+        self.max_tokens = max_tokens
+        self.window = window
+        self._recent: deque[int] = deque()
+        self._sorted: list[int] = []
+        self._sum = self._sum_sq = 0
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def add(self, tokens: int) -> None:
+        self._recent.append(tokens)
+        bisect.insort(self._sorted, tokens)
+        self._sum += tokens
+        self._sum_sq += tokens * tokens
+        if len(self._recent) > self.window:
+            old = self._recent.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+            self._sum -= old
+            self._sum_sq -= old * old
+
+    def in_flight_mean(self) -> float:
+        """E[L^2] / E[L]: the mean length of a request caught in flight at a random
+        moment (long requests are in flight for longer)."""
+        return self._sum_sq / self._sum if self._sum else 0.0
+
+    def fit(self, running: Iterable[float] = ()) -> LengthFit | None:
+        """Kaplan-Meier over the observed lengths and ``running`` (tokens generated so far
+        by each request in flight: it is known to be longer, and leaving it out would bias
+        the lengths short). Mass surviving past every observation goes to ``top``."""
+        if not self._sorted:
+            return None
+        obs = np.asarray(self._sorted, dtype=np.float64)
+        cens = np.sort(np.asarray(list(running), dtype=np.float64))
+        u, died = np.unique(obs, return_counts=True)
+        at_risk = (len(obs) - np.searchsorted(obs, u, "left")) + (
+            len(cens) - np.searchsorted(cens, u, "left")
+        )
+        alive = np.cumprod(1.0 - died / at_risk)
+        mass = -np.diff(np.concatenate([[1.0], alive]))
+        # Past the longest observation: twice it, or max_tokens if lower (a bound that
+        # may be far above anything the engine really produces).
+        longest = float(u[-1])
+        top = 2.0 * longest if self.max_tokens is None else min(self.max_tokens, 2.0 * longest)
+        top = max(top, longest + 1.0, float(cens[-1]) + 1.0 if len(cens) else 0.0)
+        points = np.append(u, top)
+        mass = np.append(mass, alive[-1])
+
+        def suffix(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+            return np.append(np.cumsum(values[::-1])[::-1], 0.0)
+
+        return LengthFit(
+            points, mass, suffix(mass), suffix(mass * points), suffix(mass * points**2), top
+        )
+
+
+def plan_dispatch_tail(
+    order: Sequence[str],
+    outcomes: Mapping[str, Outcome],
+    selection: Selection,
+    *,
+    token_budget: int | None,
+    max_samples: int | None,
+    fit: LengthFit,
+    in_flight: Mapping[int, float],
+    limit: int,
+) -> list[int]:
+    """:func:`plan_dispatch` for a streaming engine, aware of the length distribution.
+
+    ``in_flight`` maps each position in flight to the tokens it has generated so far (an
+    estimate). Walking on from the frontier, known outcomes count exactly, requests in
+    flight at their conditional mean and variance given that progress, new ones at the
+    distribution's. A new position is admitted when the prefix likely needs its outcome;
+    never when that is hopeless; in between (doubtful) unless the requests before it are
+    expected to run clearly longer than it would (its mean plus a standard deviation):
+    while they do, deferring costs nothing (the run cannot end before they do) and their
+    lengths settle the doubt; otherwise deferring would make it the last to finish.
+    With nothing in flight the first unknown position is always admitted (progress).
+    """
+    if selection.complete or limit < 1:
+        return []
+    positions = sorted(in_flight)
+    cond_mean, cond_var = fit.conditional([in_flight[p] for p in positions])
+    expected = dict(
+        zip(positions, zip(cond_mean.tolist(), cond_var.tolist(), strict=True), strict=True)
+    )
+    mean, var = fit.mean, fit.var
+    batch: list[int] = []
+    pending = False
+    n_selected = len(selection.selected)
+    tokens, tokens_var = float(selection.tokens), 0.0
+    running: list[float] = []  # progress of the requests before this one (0: dispatched now)
+    for pos in range(selection.frontier, len(order)):
+        if pending and _limit_reached(n_selected, 0, None, max_samples):
+            break
+        outcome = outcomes.get(order[pos])
+        if outcome is not None:
+            if not outcome.failed:
+                tokens += outcome.completion_tokens
+                n_selected += 1
+            continue
+        n_selected += 1
+        if pos in expected:
+            m, v = expected[pos]
+            tokens, tokens_var = tokens + m, tokens_var + v
+            running.append(in_flight[pos])
+            pending = True
+            continue
+        if pending and token_budget is not None:
+            room, spread = token_budget - tokens, math.sqrt(tokens_var)
+            z = room / spread if spread > 0 else (math.inf if room > 0 else -math.inf)
+            if z < Z_HOPELESS:
+                break
+            if z < Z_LIKELY and fit.expected_max_residual(running) > mean + math.sqrt(var):
+                break
+        batch.append(pos)
+        tokens, tokens_var = tokens + mean, tokens_var + var
+        running.append(0.0)
+        pending = True
+        if len(batch) >= limit:
+            break
     return batch
 
 

@@ -28,7 +28,9 @@ import asyncio
 import hashlib
 import logging
 import signal
+import statistics
 import time
+from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +38,14 @@ from typing import Any
 
 from ..atomic import write_jsonl
 from ..errors import GenerationAborted
-from .budget import Outcome, Selection, plan_dispatch, select_prefix
+from .budget import (
+    LengthModel,
+    Outcome,
+    Selection,
+    plan_dispatch,
+    plan_dispatch_tail,
+    select_prefix,
+)
 from .engines import AsyncEngine, Completion, Engine, Tools, TransientError, TurnFailure
 from .journal import JournalWriter, read_journal
 from .records import (
@@ -294,6 +303,61 @@ class _FailureTracker:
             )
 
 
+_MIN_FIT = 16  # observed lengths before dispatch trusts their distribution
+
+
+class _TokenClock:
+    """How many tokens each request in flight has generated so far, estimated from the
+    completions alone (their order and lengths), so that dispatch is a function of them.
+
+    ``now`` advances like an engine slot that is never idle: a request dispatched at clock
+    c and finished with n tokens moves it to at least c + n. A request dispatched at c has
+    then generated about ``now - c`` tokens, less the usual lag (the clock time a request
+    spends not generating: queueing, prefill). When that lag is large, requests wait in a
+    server-side queue (more in flight than the engine runs) and elapsed time says little;
+    only the ordering bound is kept: with FIFO service and equal speeds, a request still
+    running after a later one finished with n tokens has generated more than n.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._seq = 0
+        self._started: dict[int, tuple[int, float]] = {}  # pos -> (dispatch order, clock)
+        self._floor: dict[int, int] = {}  # pos -> ordering lower bound
+        self._lags: deque[float] = deque(maxlen=64)
+
+    def dispatched(self, pos: int) -> None:
+        self._started[pos] = (self._seq, self.now)
+        self._seq += 1
+
+    def dropped(self, pos: int) -> None:
+        """A request that ended without a result (it will be dispatched again)."""
+        self._started.pop(pos, None)
+        self._floor.pop(pos, None)
+
+    def finished(self, pos: int, tokens: int) -> None:
+        started = self._started.get(pos)
+        self.dropped(pos)
+        if started is None:
+            return
+        seq, at = started
+        for other, (other_seq, _) in self._started.items():
+            if other_seq < seq and self._floor.get(other, 0) < tokens:
+                self._floor[other] = tokens
+        self._lags.append(max(self.now - at - tokens, 0.0))
+        self.now = max(self.now, at + tokens)
+
+    def progress(self, typical: float) -> dict[int, float]:
+        """Tokens generated so far by each request in flight; ``typical`` is a typical
+        completion length (the lag is judged against it)."""
+        lag = statistics.median(self._lags) if self._lags else 0.0
+        queued = lag > typical / 4
+        return {
+            pos: float(max(self._floor.get(pos, 0), 0.0 if queued else self.now - at - lag))
+            for pos, (_, at) in self._started.items()
+        }
+
+
 class _Run:
     """State shared by the two dispatch loops: journal, outcomes, selection."""
 
@@ -314,6 +378,12 @@ class _Run:
         ok = [o.completion_tokens for o in self.outcomes.values() if not o.failed]
         self.ok_count, self.ok_tokens = len(ok), sum(ok)
         self.sel = select_prefix(self.order, self.outcomes, **self.limits)
+        # Streaming dispatch near the end of a budget: the observed lengths (the journal's
+        # first) and where each request in flight has got.
+        self.lengths = LengthModel(job.sampling.get("max_tokens"))
+        for tokens in ok:
+            self.lengths.add(tokens)
+        self.clock = _TokenClock()
 
     def expected_tokens(self, capacity: int) -> float:
         """Running mean completion length; before anything is known, a prior that
@@ -328,6 +398,24 @@ class _Run:
         return prior
 
     def plan(self, limit: int, in_flight: Collection[int] = ()) -> list[int]:
+        """Positions to dispatch next. Near the end of a budget, a streaming run (requests
+        in flight) plans with the observed length distribution and where each request in
+        flight has got, so as not to overshoot when lengths are long-tailed. Otherwise
+        (far from the end, the first lengths, in-process batches: nothing in flight)
+        with the running mean, as before; batches stay a function of the journal."""
+        if in_flight and self._near_end(len(in_flight) + limit):
+            progress = self.clock.progress(self.ok_tokens / max(self.ok_count, 1))
+            fit = self.lengths.fit(progress[p] for p in in_flight if p in progress)
+            if fit is not None:
+                return plan_dispatch_tail(
+                    self.order,
+                    self.outcomes,
+                    self.sel,
+                    fit=fit,
+                    in_flight={p: progress.get(p, 0.0) for p in in_flight},
+                    limit=limit,
+                    **self.limits,
+                )
         return plan_dispatch(
             self.order,
             self.outcomes,
@@ -337,6 +425,15 @@ class _Run:
             in_flight=in_flight,
             **self.limits,
         )
+
+    def _near_end(self, requests: int) -> bool:
+        """Whether ``requests`` more could reach the budget, counted generously (twice
+        the mean length of a request in flight): further away, both plans fill every
+        free slot, and fitting the lengths would only cost time."""
+        budget = self.job.token_budget
+        if budget is None or len(self.lengths) < _MIN_FIT:
+            return False
+        return self.ok_tokens + requests * 2 * self.lengths.in_flight_mean() >= budget
 
     def commit(self, new: list[JournalRecord]) -> None:
         # When a record was journaled: the status command's rate and ETA. Never copied
@@ -352,6 +449,7 @@ class _Run:
             if not outcome.failed:
                 self.ok_count += 1
                 self.ok_tokens += outcome.completion_tokens
+                self.lengths.add(outcome.completion_tokens)
             self.progress.tokens += rec.get("usage", {}).get("completion_tokens", 0)
         self.generated_now += len(new)
         self.progress.generated = self.generated_now
@@ -449,6 +547,7 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
                 for pos in run.plan(free, busy):
                     task = asyncio.ensure_future(_converse(engine, run.by_id[run.order[pos]]))
                     in_flight[task] = pos
+                    run.clock.dispatched(pos)
             run.progress.in_flight = len(in_flight)
             if not in_flight:
                 raise AssertionError("nothing in flight for an undecided prefix")  # unreachable
@@ -461,10 +560,12 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
                 try:
                     record = task.result()
                 except TransientError as exc:
+                    run.clock.dropped(pos)
                     failures.record(failed=True)
                     run.progress.transient_errors += 1
                     log.warning("%s: %s (will retry later)", run.order[pos], exc)
                     continue
+                run.clock.finished(pos, spent_tokens(record))
                 finished.append(record)
                 failed = is_failed(record)
                 failures.record(failed=failed)

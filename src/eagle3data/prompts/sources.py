@@ -77,7 +77,6 @@ class IngestStats:
     """What the source held: the stage reports it and judges skip mode by it."""
 
     records: int = 0
-    kept: int = 0
     invalid: int = 0
     duplicates: int = 0
     unused_fields: Counter[str] = field(default_factory=Counter)
@@ -247,7 +246,6 @@ def iter_conversations(
         packed = seen.pack(location)
         seen.ids[id_digest] = packed
         seen.prompts[prompt_digest] = (packed, whole)
-        stats.kept += 1
         yield Conversation(
             cid, messages, location.line, phash, tools, location.file, location.record
         )

@@ -26,25 +26,6 @@ import pyarrow.parquet as pq
 from ..atomic import atomic_path
 from .sources import Conversation
 
-MESSAGE = pl.Struct(
-    {
-        "role": pl.String,
-        "content": pl.String,
-        "tool_calls": pl.String,
-        "tool_call_id": pl.String,
-        "name": pl.String,
-    }
-)
-SCHEMA = {
-    "index": pl.UInt32,
-    "id": pl.String,
-    "prompt_hash": pl.String,
-    "source_file": pl.String,
-    "source_line": pl.UInt32,
-    "source_record": pl.UInt32,
-    "messages": pl.List(MESSAGE),
-    "tools": pl.String,
-}
 _OPTIONAL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
@@ -71,7 +52,9 @@ def _normalised_message(stored: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-ARROW_MESSAGE = pa.struct([(name, pa.string()) for name in MESSAGE.to_schema()])
+ARROW_MESSAGE = pa.struct(
+    [(name, pa.string()) for name in ("role", "content", *_OPTIONAL_MESSAGE_KEYS)]
+)
 ARROW_SCHEMA = pa.schema(
     [
         ("index", pa.uint32()),

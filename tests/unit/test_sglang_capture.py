@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,15 +24,18 @@ import torch
 import yaml
 from support.workflow import REPO
 
+from eagle3data.hidden_states import handoff
 from eagle3data.hidden_states.backends import build_extractor
 from eagle3data.hidden_states.layers import AuxLayers, resolve_aux_layers
 from eagle3data.hidden_states.sglang_capture import (
     HOOK_FACTORY,
+    SHARED_HOOK_FACTORY,
     SGLangCapture,
     SGLangCaptureError,
     append_last_hidden_states_hook,
     engine_kwargs,
     sglang_layer_ids,
+    shared_rows_hook,
     split_states,
 )
 
@@ -44,8 +51,25 @@ def rows_for(ids: list[int], width: int) -> torch.Tensor:
     return ((tok * 0.5 + t * 0.25 - col * 0.125) / 8).to(torch.bfloat16)
 
 
+def run_hook(kwargs: dict[str, Any], aux: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """What sglang does with our ``forward_hooks`` spec around one forward batch:
+    ``hook_manager.register_forward_hooks`` resolves the factory and calls it with the
+    spec's config; the logits processor's output carries the batch's rows."""
+    (spec,) = kwargs["forward_hooks"]
+    module_name, attr = spec["hook_factory"].split(":")
+    hook = getattr(importlib.import_module(module_name), attr)(spec.get("config") or {})
+    output = SimpleNamespace(hidden_states=aux, last_hidden_states=last)
+    hook(None, (), output)
+    return output.hidden_states
+
+
 class FakeEngine:
-    """What the capture needs from sglang.Engine; ``drop_rows`` mimics a radix-cache hit."""
+    """What the capture needs from sglang.Engine; ``drop_rows`` mimics a radix-cache hit.
+
+    Like sglang 0.5.23 it runs the registered hook once per forward batch (all requests'
+    rows concatenated) and returns each request's slice of ``hidden_states`` as
+    ``.tolist()`` (``batch_result_processor._append_prefill_hidden_states``).
+    """
 
     def __init__(self, kwargs: dict[str, Any], *, drop_rows: int = 0, cached: int = 0) -> None:
         self.kwargs = dict(kwargs)
@@ -56,17 +80,20 @@ class FakeEngine:
 
     def generate(self, **request: Any) -> list[dict[str, Any]]:
         self.calls.append(request)
-        out = []
+        batch = [rows_for(ids, 4 * HIDDEN) for ids in request["input_ids"]]
+        joined = torch.cat(batch)
+        returned = run_hook(self.kwargs, joined[:, : 3 * HIDDEN], joined[:, 3 * HIDDEN :])
+        out, offset = [], 0
         for ids in request["input_ids"]:
-            rows = rows_for(ids, 4 * HIDDEN)[self.drop_rows :]
+            rows = returned[offset : offset + len(ids)][self.drop_rows :]
+            offset += len(ids)
             out.append(
                 {
                     "output_ids": [0],
                     "meta_info": {
                         "prompt_tokens": len(ids),
                         "cached_tokens": self.cached,
-                        # sglang sends .tolist() of the model-dtype tensor: Python floats.
-                        "hidden_states": [rows.float().tolist()],
+                        "hidden_states": [rows.tolist()],
                     },
                 }
             )
@@ -74,6 +101,15 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         self.closed = True
+
+
+@pytest.fixture(autouse=True)
+def handoff_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The hand-off's ``auto`` directory, here per test instead of the machine's /dev/shm."""
+    root = tmp_path / "shm"
+    root.mkdir()
+    monkeypatch.setattr(handoff, "default_root", lambda: root)
+    return root
 
 
 @pytest.fixture
@@ -88,14 +124,16 @@ def model_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def make_capture(model_dir: Path, **kwargs: Any) -> tuple[SGLangCapture, list[FakeEngine]]:
+def make_capture(
+    model_dir: Path, options: dict[str, Any] | None = None, **kwargs: Any
+) -> tuple[SGLangCapture, list[FakeEngine]]:
     engines: list[FakeEngine] = []
 
     def factory(engine_args: dict[str, Any]) -> FakeEngine:
         engines.append(FakeEngine(engine_args, **kwargs))
         return engines[-1]
 
-    return SGLangCapture(str(model_dir), engine_factory=factory), engines
+    return SGLangCapture(str(model_dir), options=options, engine_factory=factory), engines
 
 
 # --- layer ids ----------------------------------------------------------------------
@@ -232,8 +270,9 @@ def test_split_states_refuses_what_is_not_one_full_row_per_token(meta, match):
 # --- the capture with a fake engine -------------------------------------------------
 
 
-def test_capture_has_the_extractor_interface(model_dir):
-    capture, (engine,) = make_capture(model_dir)
+@pytest.mark.parametrize("handoff_name", ["shared_memory", "lists"])
+def test_capture_has_the_extractor_interface(model_dir, handoff_root, handoff_name):
+    capture, (engine,) = make_capture(model_dir, {"handoff": handoff_name})
     assert capture.aux.layer_ids == (1, 4, 6)  # [1, L//2-1, L-4] for L=10
     assert capture.hidden_size == HIDDEN
     assert capture.dtype == torch.bfloat16
@@ -254,6 +293,7 @@ def test_capture_has_the_extractor_interface(model_dir):
         assert torch.equal(last, expected[:, 3 * HIDDEN :])
     capture.close()
     assert engine.closed
+    assert list(handoff_root.iterdir()) == []  # the hand-off memory is given back
     capture.close()  # again at exit: harmless
 
 
@@ -309,8 +349,6 @@ def test_factory_rejects_an_unknown_backend(model_dir):
 
 
 def test_without_sglang_installed_the_error_says_how_to_install_it(model_dir, monkeypatch):
-    import sys
-
     monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
     with pytest.raises(SGLangCaptureError, match=r"pip install -e '\.\[gpu\]'"):
         SGLangCapture(str(model_dir))
@@ -332,6 +370,8 @@ def test_schema_accepts_the_sglang_backend_and_fills_its_defaults():
         "tp_size": 8,
         "ep_size": 1,
         "mem_fraction_static": 0.8,
+        "handoff": "shared_memory",
+        "handoff_dir": "auto",
         "extra_args": {},
     }
     assert config["gpus"] == {"count": "auto", "lock_timeout_s": 600}
@@ -349,3 +389,187 @@ def test_transformers_backend_on_cpu_ignores_a_multi_gpu_count(tiny_model_dir):
     )
     assert model.device.type == "cpu"
     assert getattr(model, "hf_device_map", None) is None  # no accelerate dispatch on CPU
+
+
+# --- the shared-memory hand-off -----------------------------------------------------
+
+
+def test_shared_hook_factory_path_resolves_like_sglang_resolves_it():
+    module_name, attr = SHARED_HOOK_FACTORY.split(":")
+    assert getattr(importlib.import_module(module_name), attr) is shared_rows_hook
+
+
+def test_engine_kwargs_with_a_handoff_dir_register_the_shared_hook():
+    kwargs = engine_kwargs(
+        "/m", dtype="bfloat16", layer_ids=[1, 4, 6], options={}, handoff_dir="/d"
+    )
+    (hook,) = kwargs["forward_hooks"]
+    assert hook["hook_factory"] == SHARED_HOOK_FACTORY
+    assert hook["config"] == {"directory": "/d"}
+    # Our own options are not ServerArgs fields: sglang would reject them.
+    assert "handoff" not in kwargs and "handoff_dir" not in kwargs
+
+
+def test_capture_hands_states_over_as_views_that_outlive_the_files(model_dir, handoff_root):
+    capture, (engine,) = make_capture(model_dir)
+    (directory,) = handoff_root.iterdir()
+    assert directory.name.startswith(f"{handoff.DIR_PREFIX}{os.getpid()}-")
+    (spec,) = engine.kwargs["forward_hooks"]
+    assert spec["config"] == {"directory": str(directory)}
+    samples = [[3, 1, 4], [9, 2, 6, 5]]
+    first = capture.forward(samples)
+    second = capture.forward([[7, 7]])
+    # Each forward's batch files are unlinked once its rows are resolved...
+    assert list(directory.iterdir()) == []
+    # ...while the rows handed out stay readable until the shard writer drops them.
+    for (aux, last), ids in zip(first + second, [*samples, [7, 7]], strict=True):
+        expected = rows_for(ids, 4 * HIDDEN)
+        assert aux.dtype == torch.bfloat16
+        assert torch.equal(torch.cat([aux, last], dim=-1), expected)
+    capture.close()
+    assert list(handoff_root.iterdir()) == []
+
+
+def test_an_unknown_handoff_is_refused(model_dir):
+    with pytest.raises(SGLangCaptureError, match=r"handoff must be one of \['shared_memory'"):
+        make_capture(model_dir, {"handoff": "pipes"})
+
+
+def test_a_handoff_dir_that_is_not_a_directory_is_refused(model_dir, tmp_path):
+    with pytest.raises(SGLangCaptureError, match=r"handoff_dir .* is not a directory"):
+        make_capture(model_dir, {"handoff_dir": str(tmp_path / "missing")})
+
+
+def test_too_little_shared_memory_fails_before_the_engine_starts(
+    model_dir, handoff_root, monkeypatch
+):
+    usage = shutil.disk_usage(handoff_root)
+    monkeypatch.setattr(handoff.shutil, "disk_usage", lambda _path: usage._replace(free=10 * 2**20))
+    started: list[Any] = []
+    with pytest.raises(SGLangCaptureError, match=r"10 MiB free.*--shm-size.*handoff_dir"):
+        SGLangCapture(
+            str(model_dir),
+            batch_tokens=2**20,  # two batches of 1 Mi tokens x 32 bf16 values: 128 MiB
+            engine_factory=lambda kw: started.append(kw),
+        )
+    assert started == []
+    assert list(handoff_root.iterdir()) == []  # nothing left behind
+
+
+def test_a_batch_larger_than_the_free_memory_is_refused_and_cleans_up(
+    model_dir, handoff_root, monkeypatch
+):
+    capture, (engine,) = make_capture(model_dir)
+    usage = shutil.disk_usage(handoff_root)
+    monkeypatch.setattr(handoff.shutil, "disk_usage", lambda _path: usage._replace(free=100))
+    with pytest.raises(SGLangCaptureError, match="a batch of 5 tokens"):
+        capture.forward([[3, 1, 4, 1, 5]])
+    assert engine.closed and engine.calls == []
+    assert list(handoff_root.iterdir()) == []
+
+
+def test_a_failing_engine_start_leaves_no_handoff_dir(model_dir, handoff_root):
+    def broken(_kwargs: dict[str, Any]) -> Any:
+        raise RuntimeError("no GPU")
+
+    with pytest.raises(RuntimeError, match="no GPU"):
+        SGLangCapture(str(model_dir), engine_factory=broken)
+    assert list(handoff_root.iterdir()) == []
+
+
+def test_stale_dirs_of_dead_jobs_are_removed_live_ones_kept(tmp_path):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = tmp_path / f"{handoff.DIR_PREFIX}{int(dead.stdout)}-abc"
+    live = tmp_path / f"{handoff.DIR_PREFIX}{os.getppid()}-def"
+    other = tmp_path / "someone-else"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "00000000.rows").write_bytes(b"x" * 16)
+    fresh = handoff.make_dir(tmp_path)
+    assert not stale.exists()
+    assert live.exists() and other.exists() and fresh.is_dir()
+
+
+def _hook_output(rows: torch.Tensor) -> SimpleNamespace:
+    return SimpleNamespace(
+        hidden_states=rows[:, : 3 * HIDDEN], last_hidden_states=rows[:, 3 * HIDDEN :]
+    )
+
+
+def test_only_the_first_tensor_parallel_rank_writes_all_return_the_same_pointers(
+    tmp_path, monkeypatch
+):
+    rows = rows_for([4, 5, 6], 4 * HIDDEN)
+    first, other = tmp_path / "rank0", tmp_path / "rank1"
+    first.mkdir()
+    other.mkdir()
+    outputs = []
+    for directory, is_first in ((first, True), (other, False)):
+        monkeypatch.setattr(handoff, "_is_first_rank", lambda is_first=is_first: is_first)
+        hook = shared_rows_hook({"directory": str(directory)})
+        output = _hook_output(rows)
+        hook(None, (), output)
+        outputs.append(output)
+    assert [p.name for p in first.iterdir()] == ["00000000.rows"]
+    assert list(other.iterdir()) == []
+    assert torch.equal(outputs[0].hidden_states, outputs[1].hidden_states)
+    assert outputs[0].hidden_states.tolist() == [[0.0, 0.0], [0.0, 1.0], [0.0, 2.0]]
+    assert outputs[0].last_hidden_states is None
+
+
+def test_pointers_that_are_not_consecutive_rows_of_one_batch_are_refused(tmp_path):
+    writer = handoff.RowsWriter(tmp_path)
+    rows = rows_for([1, 2, 3, 4], 4 * HIDDEN)
+    writer.put([rows[:, : 3 * HIDDEN], rows[:, 3 * HIDDEN :]])
+    reader = handoff.RowsReader(tmp_path, 4 * HIDDEN, torch.bfloat16)
+    assert torch.equal(
+        reader.rows([[0.0, 1.0], [0.0, 2.0]], 2), rows_for([1, 2, 3, 4], 4 * HIDDEN)[1:3]
+    )
+    with pytest.raises(SGLangCaptureError, match="not one forward batch's consecutive rows"):
+        reader.rows([[0.0, 0.0], [0.0, 2.0]], 2)
+    with pytest.raises(SGLangCaptureError, match=r"shape \[2, 2\] for a 3-token sample"):
+        reader.rows([[0.0, 0.0], [0.0, 1.0]], 3)
+    with pytest.raises(SGLangCaptureError, match="batch 0 holds 4 rows"):
+        reader.rows([[0.0, 3.0], [0.0, 4.0]], 2)
+    with pytest.raises(SGLangCaptureError, match=r"batch 1, but .* does not exist"):
+        reader.rows([[1.0, 0.0]], 1)
+    wrong_width = handoff.RowsReader(tmp_path, 3 * HIDDEN, torch.bfloat16)
+    with pytest.raises(SGLangCaptureError, match="not whole rows of 24"):
+        wrong_width.rows([[0.0, 0.0]], 1)
+
+
+def _hook_in_a_worker(directory: str, batches: list[list[int]], pointers_out: Any) -> None:
+    """A stand-in for one SGLang scheduler process: runs the hook once per forward batch
+    and sends back only what SGLang would (the pointers, as lists)."""
+    hook = shared_rows_hook({"directory": directory})
+    for ids in batches:
+        output = _hook_output(rows_for(ids, 4 * HIDDEN))
+        hook(None, (), output)
+        pointers_out.put(output.hidden_states.tolist())
+
+
+def test_rows_written_by_another_process_are_read_back_exactly(tmp_path):
+    import multiprocessing
+
+    # spawn: a fresh interpreter, as SGLang starts its schedulers.
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    batches = [[5, 9, 2, 7], [1, 1, 2, 3, 5, 8]]
+    worker = context.Process(target=_hook_in_a_worker, args=(str(tmp_path), batches, queue))
+    worker.start()
+    pointers = [queue.get(timeout=120) for _ in batches]
+    worker.join(timeout=120)
+    assert worker.exitcode == 0
+    reader = handoff.RowsReader(tmp_path, 4 * HIDDEN, torch.bfloat16)
+    # The second batch's rows 2..5, as SGLang slices one request out of a batch.
+    got = reader.rows(pointers[1][2:], 4)
+    assert torch.equal(got, rows_for(batches[1], 4 * HIDDEN)[2:])
+    assert torch.equal(reader.rows(pointers[0], 4), rows_for(batches[0], 4 * HIDDEN))
+    reader.release()
+    assert list(tmp_path.glob("*.rows")) == []
+    assert torch.equal(got, rows_for(batches[1], 4 * HIDDEN)[2:])  # still mapped

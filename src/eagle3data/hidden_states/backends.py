@@ -77,6 +77,7 @@ def build_extractor(
         return SGLangCapture(
             model_path,
             options=hidden_cfg.get("sglang") or {},
+            batch_tokens=hidden_cfg.get("batch_tokens"),
             engine_factory=sglang_engine_factory or start_engine,
             **common,
         )

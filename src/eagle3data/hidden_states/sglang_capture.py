@@ -10,7 +10,15 @@ SGLang returns the concatenated aux states in place of the final-norm state; the
 final-norm state (``LogitsProcessorOutput.last_hidden_states``) is computed in
 the same forward but not returned. A forward hook on the model's
 ``logits_processor`` (SGLang's stock ``forward_hooks`` server argument, run in
-every worker) appends it, so one pass returns ``[P, 3H + H]`` rows per request.
+every worker) joins them into ``[P, 3H + H]`` rows per request, and then, by
+``hidden_states.sglang.handoff``:
+
+* ``shared_memory`` (default): the hook copies the forward batch's rows into shared
+  memory and SGLang returns only a ``[P, 2]`` pointer per request (:mod:`.handoff`):
+  the states stay tensors from the GPU to the shard writer;
+* ``lists``: SGLang returns the rows themselves, as Python float lists through its
+  scheduler and tokenizer manager (~120 tokens/s of host work at Kimi's width; kept as
+  a fallback and for comparison).
 
 Pitfalls handled (notes/sglang.md section 5.2): the radix cache is off and
 chunked prefill is off, otherwise only part of a prompt would be computed; every
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +42,7 @@ from .. import model_config
 from ..errors import SGLangCaptureError
 from ..target import check_remote_code
 from ..torch_utils import TORCH_DTYPES
+from . import handoff
 from .layers import AuxLayers, resolve_aux_layers
 
 log = logging.getLogger(__name__)
@@ -52,13 +62,19 @@ FIRST_ID_RULE_ARCHITECTURES = frozenset(
 )
 
 HOOK_FACTORY = "eagle3data.hidden_states.sglang_capture:append_last_hidden_states_hook"
+SHARED_HOOK_FACTORY = "eagle3data.hidden_states.sglang_capture:shared_rows_hook"
+HANDOFFS = ("shared_memory", "lists")
 
 DEFAULT_OPTIONS: dict[str, Any] = {
     "tp_size": 1,
     "ep_size": 1,
     "mem_fraction_static": 0.8,
+    "handoff": "shared_memory",
+    "handoff_dir": "auto",
     "extra_args": {},
 }
+# Our options that are not ServerArgs fields.
+_OWN_OPTIONS = ("handoff", "handoff_dir")
 
 
 def sglang_layer_ids(aux: AuxLayers, architectures: Sequence[str]) -> list[int]:
@@ -92,9 +108,15 @@ def engine_kwargs(
     layer_ids: Sequence[int],
     options: Mapping[str, Any],
     trust_remote_code: bool = False,
+    handoff_dir: str | None = None,
 ) -> dict[str, Any]:
-    """``sglang.Engine`` arguments (``ServerArgs`` field names) of a capture engine."""
+    """``sglang.Engine`` arguments (``ServerArgs`` field names) of a capture engine;
+    with ``handoff_dir`` the hook hands rows over through shared memory there."""
     opts = {**DEFAULT_OPTIONS, **options}
+    if handoff_dir is None:
+        hook = {"hook_factory": HOOK_FACTORY}
+    else:
+        hook = {"hook_factory": SHARED_HOOK_FACTORY, "config": {"directory": handoff_dir}}
     forced: dict[str, Any] = {
         "model_path": model_path,
         "dtype": dtype,
@@ -115,7 +137,7 @@ def engine_kwargs(
             {
                 "name": "eagle3data-last-hidden-states",
                 "target_modules": ["logits_processor", "*.logits_processor"],
-                "hook_factory": HOOK_FACTORY,
+                **hook,
             }
         ],
         # Forward hooks run only on the eager path (a graph replay skips Python), and
@@ -143,20 +165,74 @@ def append_last_hidden_states_hook(_config: Mapping[str, Any]) -> Callable[..., 
     """
 
     def hook(_module: Any, _inputs: Any, output: Any) -> None:
-        aux = getattr(output, "hidden_states", None)
-        last = getattr(output, "last_hidden_states", None)
-        if aux is None or last is None or aux.shape[0] != last.shape[0]:
-            return
-        output.hidden_states = torch.cat([aux, last.to(aux.dtype)], dim=-1)
-        output.last_hidden_states = None
+        rows = _joined_rows(output)
+        if rows is not None:
+            output.hidden_states = rows
+            output.last_hidden_states = None
 
     return hook
 
 
+def shared_rows_hook(config: Mapping[str, Any]) -> Callable[..., None]:
+    """Forward-hook factory of the shared-memory hand-off (:mod:`.handoff`): the joined
+    ``[aux | last]`` rows go to a file in ``config["directory"]`` and SGLang returns
+    their ``[T, 2]`` pointers instead."""
+    writer = handoff.RowsWriter(config["directory"])
+
+    def hook(_module: Any, _inputs: Any, output: Any) -> None:
+        parts = _captured_parts(output)
+        if parts is not None:
+            output.hidden_states = writer.put(parts)
+            output.last_hidden_states = None
+
+    return hook
+
+
+def _captured_parts(output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(aux, last) of a full-capture forward, in the aux dtype; None for any other
+    forward (decode, warm-up, a batch that asked for no states) or when a hook already ran."""
+    aux = getattr(output, "hidden_states", None)
+    last = getattr(output, "last_hidden_states", None)
+    if aux is None or last is None or aux.shape[0] != last.shape[0]:
+        return None
+    return aux, last.to(aux.dtype)
+
+
+def _joined_rows(output: Any) -> torch.Tensor | None:
+    """``[aux | last]`` of a full-capture forward (see :func:`_captured_parts`)."""
+    parts = _captured_parts(output)
+    return None if parts is None else torch.cat(parts, dim=-1)
+
+
 def split_states(
-    output: Mapping[str, Any], length: int, hidden_size: int, dtype: torch.dtype
+    output: Mapping[str, Any],
+    length: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    reader: handoff.RowsReader | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(aux [T, 3H], last [T, H]) from one ``Engine.generate`` result, checked."""
+    """(aux [T, 3H], last [T, H]) from one ``Engine.generate`` result, checked: the rows
+    themselves (``lists``) or, with ``reader``, views of the rows they point at."""
+    block = _prefill_block(output, length)
+    if reader is not None:
+        rows = reader.rows(block, length)
+    else:
+        rows = torch.tensor(block, dtype=torch.float32)
+        width = rows.shape[1]
+        if width != 4 * hidden_size:
+            raise SGLangCaptureError(
+                f"SGLang returned {width} values per token, expected 3 aux layers + the "
+                f"final-norm state = {4 * hidden_size} (hidden_size {hidden_size}); is the "
+                f"forward hook {HOOK_FACTORY} registered and does the model capture 3 "
+                f"layers?"
+            )
+        # float32 -> model dtype is exact: the values were the model dtype's own.
+        rows = rows.to(dtype)
+    return rows[:, : 3 * hidden_size], rows[:, 3 * hidden_size :]
+
+
+def _prefill_block(output: Mapping[str, Any], length: int) -> list[list[float]]:
+    """The prompt's rows of one result, checked to be one per token."""
     meta = output.get("meta_info", {})
     blocks = meta.get("hidden_states")
     if not blocks:
@@ -166,25 +242,17 @@ def split_states(
         )
     prompt_tokens = meta.get("prompt_tokens", length)
     cached = meta.get("cached_tokens", 0) or 0
-    rows = torch.tensor(blocks[0], dtype=torch.float32)
-    if rows.ndim != 2 or rows.shape[0] != length or prompt_tokens != length or cached:
+    block = blocks[0]
+    square = bool(block) and all(isinstance(r, list) for r in block)
+    if not square or len(block) != length or prompt_tokens != length or cached:
         raise SGLangCaptureError(
-            f"SGLang returned {rows.shape[0] if rows.ndim else 0} hidden-state rows for "
+            f"SGLang returned {len(block) if square else 0} hidden-state rows for "
             f"a {length}-token sample (prompt_tokens={prompt_tokens}, cached_tokens="
             f"{cached}); expected one row per token. A radix-cache hit or chunked "
             f"prefill computes only part of the prompt: run with disable_radix_cache "
             f"and chunked_prefill_size=-1"
         )
-    width = rows.shape[1]
-    if width != 4 * hidden_size:
-        raise SGLangCaptureError(
-            f"SGLang returned {width} values per token, expected 3 aux layers + the "
-            f"final-norm state = {4 * hidden_size} (hidden_size {hidden_size}); is the "
-            f"forward hook {HOOK_FACTORY} registered and does the model capture 3 layers?"
-        )
-    # float32 -> model dtype is exact: the values were the model dtype's own.
-    rows = rows.to(dtype)
-    return rows[:, : 3 * hidden_size].contiguous(), rows[:, 3 * hidden_size :].contiguous()
+    return block
 
 
 def start_engine(kwargs: Mapping[str, Any]) -> Any:
@@ -211,34 +279,72 @@ class SGLangCapture:
         dtype: str = "auto",
         options: Mapping[str, Any] | None = None,
         trust_remote_code: bool = False,
+        batch_tokens: int | None = None,
         engine_factory: Callable[[Mapping[str, Any]], Any] = start_engine,
     ) -> None:
         check_remote_code(model_path, trust_remote_code)
+        opts = {**DEFAULT_OPTIONS, **(options or {})}
+        if opts["handoff"] not in HANDOFFS:
+            raise SGLangCaptureError(
+                f"hidden_states.sglang.handoff must be one of {list(HANDOFFS)}, "
+                f"got {opts['handoff']!r}"
+            )
         config = model_config.read_model_config(model_path)
         depth = model_config.num_hidden_layers(config)
         self.aux: AuxLayers = resolve_aux_layers(aux_layers, depth, convention)
         self.hidden_size = model_config.hidden_size(config)
         dtype_name = model_config.resolve_dtype_name(dtype, config)
         self.dtype: torch.dtype = TORCH_DTYPES[dtype_name]
+        self.engine: Any = None
+        self.reader: handoff.RowsReader | None = None
+        # The engine's worker processes and the hand-off memory must not outlive the job.
+        atexit.register(self.close)
+        if opts["handoff"] == "shared_memory":
+            directory = handoff.make_dir(opts["handoff_dir"])
+            self.reader = handoff.RowsReader(directory, 4 * self.hidden_size, self.dtype)
+            if batch_tokens:
+                # One batch being written to the shard while the next one arrives.
+                need = 2 * handoff.rows_nbytes(batch_tokens, 4 * self.hidden_size, self.dtype)
+                self._check_room(need, "two batches of hidden_states.batch_tokens")
         self.engine_kwargs = engine_kwargs(
             model_path,
             dtype=dtype_name,
             layer_ids=sglang_layer_ids(self.aux, model_config.architectures(config)),
-            options=options or {},
+            options=opts,
             trust_remote_code=trust_remote_code,
+            handoff_dir=None if self.reader is None else str(self.reader.directory),
         )
         log.info(
-            "starting sglang capture engine: tp_size=%d ep_size=%d aux layer outputs %s",
+            "starting sglang capture engine: tp_size=%d ep_size=%d aux layer outputs %s, "
+            "states handed over as %s",
             self.engine_kwargs["tp_size"],
             self.engine_kwargs["ep_size"],
             list(self.aux.layer_ids),
+            opts["handoff"],
         )
-        self.engine = engine_factory(self.engine_kwargs)
-        # The engine's worker processes must not outlive the job.
-        atexit.register(self.close)
+        try:
+            self.engine = engine_factory(self.engine_kwargs)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_room(self, needed: int, what: str) -> None:
+        if self.reader is not None:
+            try:
+                handoff.check_room(self.reader.directory, needed, what)
+            except SGLangCaptureError:
+                self.close()
+                raise
 
     def forward(self, samples: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(aux [T, 3H], last [T, H]) per sample, in the model dtype, on the CPU."""
+        """(aux [T, 3H], last [T, H]) per sample, in the model dtype, on the CPU (with
+        the shared-memory hand-off: views of the mapped rows, valid until dropped)."""
+        if self.reader is not None:
+            tokens = sum(len(s) for s in samples)
+            self._check_room(
+                handoff.rows_nbytes(tokens, 4 * self.hidden_size, self.dtype),
+                f"a batch of {tokens} tokens",
+            )
         outputs = self.engine.generate(
             input_ids=[list(s) for s in samples],
             sampling_params={"max_new_tokens": 1, "temperature": 0.0},
@@ -248,13 +354,20 @@ class SGLangCapture:
             raise SGLangCaptureError(
                 f"SGLang returned {len(outputs)} results for {len(samples)} samples"
             )
-        return [
-            split_states(out, len(s), self.hidden_size, self.dtype)
-            for out, s in zip(outputs, samples, strict=True)
-        ]
+        try:
+            return [
+                split_states(out, len(s), self.hidden_size, self.dtype, self.reader)
+                for out, s in zip(outputs, samples, strict=True)
+            ]
+        finally:
+            if self.reader is not None:
+                self.reader.release()
 
     def close(self) -> None:
         engine, self.engine = self.engine, None
         shutdown = getattr(engine, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        reader, self.reader = self.reader, None
+        if reader is not None:
+            shutil.rmtree(reader.directory, ignore_errors=True)

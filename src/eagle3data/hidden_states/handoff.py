@@ -1,0 +1,230 @@
+"""Hidden-state rows from SGLang's worker processes to the shard writer, as raw bytes.
+
+SGLang's own way out (``return_hidden_states``) turns every value into a Python float
+(``.tolist()``), pickles it across two processes and we rebuild a tensor from the lists:
+about 120 tokens/s at Kimi-K2.5's width on one core (notes/sglang.md 5.1), far below what
+8 GPUs prefill. Here the capture hook copies each forward batch's ``[T, 4H]`` rows once
+into a file in shared memory (``/dev/shm``, a tmpfs: the copy is a memcpy, nothing reaches
+a disk) and hands SGLang a ``[T, 2]`` *pointer* tensor instead: (batch number, row) per
+token. SGLang slices and returns the pointers exactly as it would the states (one row per
+prompt token, per request), so its own bookkeeping still decides which rows belong to
+which request, and our process maps the file and takes the rows as tensor views: no
+serialisation, no per-value work, one copy on each side.
+
+No library does this: SGLang has no tensor-returning capture API in a released version
+(SpecForge patches SGLang or drives its model runner directly, both tied to one SGLang
+version's internals), and shared-memory transports (torch.multiprocessing, Ray's object
+store) need both ends to be ours. The hook sees only the logits processor's output, which
+is stable across 0.5.x (the ``forward_hooks`` server argument has been there since 0.5.0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import SGLangCaptureError
+
+DIR_PREFIX = "eagle3data-capture-"
+_SHM = Path("/dev/shm")
+
+# numpy has no bfloat16: its rows are mapped as int16 and viewed as bfloat16 in torch.
+_NUMPY_STANDIN = {
+    torch.bfloat16: np.int16,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+}
+
+
+def default_root() -> Path:
+    """``/dev/shm`` (memory) where it exists and is writable, else the temp directory."""
+    if _SHM.is_dir() and os.access(_SHM, os.W_OK | os.X_OK):
+        return _SHM
+    return Path(tempfile.gettempdir())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def remove_stale_dirs(root: Path) -> list[Path]:
+    """Remove hand-off directories left by capture jobs that were killed (their pid is
+    gone): on a tmpfs they would hold memory until the machine reboots."""
+    removed = []
+    for path in root.glob(f"{DIR_PREFIX}*"):
+        pid = path.name[len(DIR_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def make_dir(root: str | Path | None = None) -> Path:
+    """A fresh hand-off directory for one engine, named after this process."""
+    base = Path(root) if root not in (None, "auto") else default_root()
+    if not base.is_dir():
+        raise SGLangCaptureError(
+            f"hidden_states.sglang.handoff_dir {str(base)!r} is not a directory"
+        )
+    remove_stale_dirs(base)
+    return Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=base))
+
+
+def check_room(directory: Path, needed_bytes: int, what: str) -> None:
+    """Fail before a worker would: a write past a full tmpfs kills it with SIGBUS."""
+    usage = shutil.disk_usage(directory)
+    if usage.free < needed_bytes:
+        raise SGLangCaptureError(
+            f"{directory} has {usage.free / 2**20:,.0f} MiB free; the SGLang capture hands "
+            f"{what} ({needed_bytes / 2**20:,.0f} MiB) to this job through it. Give the "
+            f"machine or container more shared memory (docker run --shm-size), lower "
+            f"hidden_states.batch_tokens, or set hidden_states.sglang.handoff_dir to a "
+            f"larger tmpfs or a local disk"
+        )
+
+
+def _batch_path(directory: str | Path, batch: int) -> Path:
+    return Path(directory) / f"{batch:08d}.rows"
+
+
+def write_rows(path: Path, parts: Sequence[torch.Tensor]) -> None:
+    """Write the column blocks ``parts`` (``[T, w_i]`` each, any device, one dtype) side by
+    side as ``[T, sum w_i]`` rows into a new file at ``path``: each block goes straight
+    from the device into the shared mapping, never joined on the device first."""
+    tokens, dtype = parts[0].shape[0], parts[0].dtype
+    width = sum(p.shape[1] for p in parts)
+    nbytes = tokens * width * parts[0].element_size()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        if nbytes:
+            shared = mmap.mmap(fd, nbytes)
+            target = torch.frombuffer(shared, dtype=dtype).view(tokens, width)
+            start = 0
+            for part in parts:
+                target[:, start : start + part.shape[1]].copy_(part)
+                start += part.shape[1]
+            # The mapping closes when the last view of it is gone.
+            del target, shared
+    finally:
+        os.close(fd)
+
+
+class RowsWriter:
+    """Worker side, in SGLang's forward hook: stores a batch's rows, returns its pointers.
+
+    Every tensor-parallel rank runs the hook (their rows are identical replicas); only
+    the first writes, the others return the same pointers so their schedulers agree.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._next_batch = 0
+
+    def put(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Store one forward batch's rows, given as column blocks (``[aux | last]``)."""
+        batch = self._next_batch
+        self._next_batch += 1
+        if _is_first_rank():
+            write_rows(_batch_path(self.directory, batch), parts)
+        tokens, device = parts[0].shape[0], parts[0].device
+        # float32 holds integers exactly up to 2**24: batches and rows stay far below.
+        pointers = torch.empty((tokens, 2), dtype=torch.float32, device=device)
+        pointers[:, 0] = batch
+        pointers[:, 1] = torch.arange(tokens, device=device)
+        return pointers
+
+
+def _is_first_rank() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class RowsReader:
+    """Our side: resolves the pointers SGLang returned into views of the mapped rows."""
+
+    def __init__(self, directory: str | Path, width: int, dtype: torch.dtype) -> None:
+        self.directory = Path(directory)
+        self.width = width
+        self.dtype = dtype
+        self._mapped: dict[int, torch.Tensor] = {}
+
+    def rows(self, pointers: list[list[float]], length: int) -> torch.Tensor:
+        """The ``[length, width]`` rows of one request (a view into shared memory)."""
+        p = np.asarray(pointers, dtype=np.float64)
+        if p.shape != (length, 2):
+            raise SGLangCaptureError(
+                f"SGLang returned hidden-state pointers of shape {list(p.shape)} for a "
+                f"{length}-token sample; expected [{length}, 2]: is the forward hook "
+                f"registered (hidden_states.sglang.handoff shared_memory)?"
+            )
+        batch, first = int(p[0, 0]), int(p[0, 1])
+        expected = np.stack([np.full(length, batch), first + np.arange(length)], axis=1).astype(
+            np.float64
+        )
+        if not np.array_equal(p, expected):
+            raise SGLangCaptureError(
+                f"SGLang returned pointers that are not one forward batch's consecutive rows "
+                f"for a {length}-token sample (starting at batch {batch}, row {first}): "
+                f"was the prompt split (chunked prefill) or partly cached (radix cache)?"
+            )
+        mapped = self._map(batch)
+        if first + length > mapped.shape[0]:
+            raise SGLangCaptureError(
+                f"batch {batch} holds {mapped.shape[0]} rows; a sample points at rows "
+                f"{first}-{first + length - 1}"
+            )
+        return mapped[first : first + length]
+
+    def _map(self, batch: int) -> torch.Tensor:
+        if batch in self._mapped:
+            return self._mapped[batch]
+        path = _batch_path(self.directory, batch)
+        standin = np.dtype(_NUMPY_STANDIN[self.dtype])
+        row_bytes = self.width * standin.itemsize
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise SGLangCaptureError(
+                f"SGLang pointed at batch {batch}, but {path} does not exist: the first "
+                f"tensor-parallel rank did not write it"
+            ) from None
+        if size % row_bytes:
+            raise SGLangCaptureError(
+                f"{path} holds {size} bytes, not whole rows of {self.width} {self.dtype} "
+                f"values: the engine's dtype or width is not the one expected"
+            )
+        if size == 0:
+            rows = torch.empty((0, self.width), dtype=self.dtype)
+        else:
+            # Copy-on-write: writable for torch (no warning), never written, never copied.
+            array = np.memmap(path, dtype=standin, mode="c", shape=(size // row_bytes, self.width))
+            rows = torch.from_numpy(array).view(self.dtype)
+        self._mapped[batch] = rows
+        return rows
+
+    def release(self) -> None:
+        """Unlink every batch file: their memory returns once the rows' last view is gone
+        (the shard writer holds them until they are on disk)."""
+        self._mapped.clear()
+        for path in self.directory.glob("*.rows"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def rows_nbytes(tokens: int, width: int, dtype: torch.dtype) -> int:
+    return tokens * width * torch.empty((), dtype=dtype).element_size()

@@ -37,7 +37,16 @@ are captured with ``SGLangCapture`` (sglang.Engine) and with ``HiddenStateExtrac
 * rows per sample equal the input length (no radix-cache / chunked-prefill truncation);
 * per-token cosine similarity and max abs difference within bf16 tolerances;
 * each SGLang aux block is closest to the transformers layer it should be (catches an
-  off-by-one layer-id convention, which tolerances alone might let through).
+  off-by-one layer-id convention, which tolerances alone might let through);
+* speed (``--speed-rounds``, default 3; 0 skips it): the capture's tokens/s, with the states
+  in this process as tensors and read once, is >= 0.9 of the same engine's plain prefill
+  (``return_hidden_states=False``) on the same batches of random tokens, interleaved.
+
+States reach this process through ``--handoff`` (``hidden_states.sglang.handoff``): the
+default ``shared_memory`` (rows in /dev/shm, pointers through SGLang) or ``lists`` (SGLang's
+stock float lists). The speed figure that matters is Kimi's width:
+
+    python tests/gpu/check_sglang.py --model kimi-wrapper --hidden 7168 --dummy-weights
 
 Prints PASS or FAIL with the numbers; exit code 0 or 1. ``--dummy-weights`` (Kimi only) is a
 separate smoke mode: SGLang's ``load_format="dummy"`` initialises its own random weights, so
@@ -68,6 +77,8 @@ sys.path.insert(0, str(REPO / "tests"))
 # Tolerances for bf16 with different kernels (flashinfer/fused norms vs eager torch).
 MIN_COSINE = 0.99
 MAX_REL_ABS_DIFF = 0.05  # max |a - b| / max |b|
+# Capture tokens/s over the same engine's plain prefill (issue 14: states at engine speed).
+MIN_SPEED_RATIO = 0.9
 
 MIN_SGLANG = "0.5.23"  # enable_return_aux_hidden_states first ships in 0.5.23
 MODELS = ("llama", "kimi", "kimi-wrapper")
@@ -454,21 +465,81 @@ def make_kimi_samples(model_dir: Path) -> list[list[int]]:
 
 
 def capture_sglang(
-    model_dir: Path, samples, tp: int, aux_layers, *, trust_remote_code=False, extra_args=None
+    model_dir: Path,
+    samples,
+    tp: int,
+    aux_layers,
+    *,
+    handoff: str,
+    trust_remote_code=False,
+    extra_args=None,
+    speed: argparse.Namespace | None = None,
 ):
+    """SGLang's states of ``samples`` (copied out of the hand-off), the aux layers, the
+    engine arguments, and with ``speed`` the capture and plain-prefill rates."""
     from eagle3data.hidden_states.sglang_capture import SGLangCapture
 
     capture = SGLangCapture(
         str(model_dir),
         aux_layers=aux_layers,
         dtype="bfloat16",
-        options={"tp_size": tp, "mem_fraction_static": 0.5, "extra_args": extra_args or {}},
+        options={
+            "tp_size": tp,
+            "mem_fraction_static": 0.5,
+            "handoff": handoff,
+            "extra_args": extra_args or {},
+        },
         trust_remote_code=trust_remote_code,
     )
     try:
-        return capture.forward(samples), capture.aux.layer_ids, capture.engine_kwargs
+        states = [(a.clone(), b.clone()) for a, b in capture.forward(samples)]
+        rates = measure_speed(capture, speed) if speed is not None else None
+        return states, capture.aux.layer_ids, capture.engine_kwargs, rates
     finally:
         capture.close()
+
+
+def measure_speed(capture, args: argparse.Namespace) -> dict[str, float]:
+    """Tokens/s of the capture (``capture.forward``: states in our process, as tensors)
+    and of the same engine's plain prefill (``return_hidden_states=False``: nothing is
+    captured or returned) on the same batches, interleaved, order alternating per round."""
+    import torch
+
+    gen = torch.Generator().manual_seed(2)
+    per_sample = args.speed_tokens // args.speed_samples
+    batches = [
+        [
+            torch.randint(1000, 100_000, (per_sample,), generator=gen).tolist()
+            for _ in range(args.speed_samples)
+        ]
+        for _ in range(args.speed_batches)
+    ]
+
+    def plain(batch) -> None:
+        capture.engine.generate(
+            input_ids=batch,
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            return_hidden_states=False,
+        )
+
+    def captured(batch) -> None:
+        for aux, last in capture.forward(batch):
+            # What the shard writer does next: read every row once.
+            aux.float().sum()
+            last.float().sum()
+
+    plain(batches[0])  # warm-up: kernels, allocator
+    captured(batches[0])
+    seconds = {"plain": 0.0, "capture": 0.0}
+    for rnd in range(args.speed_rounds):
+        order = (("plain", plain), ("capture", captured))
+        for name, run in order if rnd % 2 == 0 else order[::-1]:
+            for batch in batches:
+                start = time.perf_counter()
+                run(batch)
+                seconds[name] += time.perf_counter() - start
+    tokens = args.speed_rounds * args.speed_batches * args.speed_samples * per_sample
+    return {name: tokens / s for name, s in seconds.items()}
 
 
 def capture_transformers(
@@ -622,6 +693,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--aux-layers", default="auto", help="'auto' or three comma-separated layer outputs"
     )
     parser.add_argument(
+        "--handoff",
+        choices=("shared_memory", "lists"),
+        default="shared_memory",
+        help="hidden_states.sglang.handoff: how states reach this process",
+    )
+    parser.add_argument(
+        "--speed-rounds",
+        type=int,
+        default=3,
+        help="rounds of the speed check (capture vs plain prefill); 0 skips it",
+    )
+    parser.add_argument("--speed-batches", type=int, default=4, help="batches per round")
+    parser.add_argument("--speed-samples", type=int, default=8, help="samples per batch")
+    parser.add_argument("--speed-tokens", type=int, default=16384, help="tokens per batch")
+    parser.add_argument(
         "--dummy-weights",
         action="store_true",
         help="kimi smoke mode: SGLang load_format=dummy, rows and widths only, no comparison",
@@ -709,6 +795,7 @@ def main(argv: list[str] | None = None) -> int:
             f"built in {t1 - t0:.1f}s, tokenized in {t2 - t1:.1f}s"
         )
 
+        speed_failures: list[str] = []
         if args.cpu_dry_run:
             # float32 on the same bf16 weights stands in for SGLang's kernels.
             got, _, got_layers = capture_transformers(
@@ -726,18 +813,37 @@ def main(argv: list[str] | None = None) -> int:
             extra = {"enable_multimodal": False} if wrapper else {}
             if args.dummy_weights:
                 extra["load_format"] = "dummy"
-            got, got_layers, engine_kwargs = capture_sglang(
-                model_dir, samples, args.tp, aux_spec, trust_remote_code=kimi, extra_args=extra
+            got, got_layers, engine_kwargs, rates = capture_sglang(
+                model_dir,
+                samples,
+                args.tp,
+                aux_spec,
+                handoff=args.handoff,
+                trust_remote_code=kimi,
+                extra_args=extra,
+                speed=args if args.speed_rounds > 0 else None,
             )
-            source_name = "sglang"
+            source_name = f"sglang ({args.handoff} hand-off)"
             print(
                 "sglang: return_aux_hidden_state_layer_ids "
                 f"{engine_kwargs['return_aux_hidden_state_layer_ids']}"
             )
+            if rates is not None:
+                ratio = rates["capture"] / rates["plain"]
+                print(
+                    f"speed: capture {rates['capture']:,.0f} tokens/s, plain prefill "
+                    f"{rates['plain']:,.0f} tokens/s on the same engine and batches "
+                    f"({args.speed_rounds} rounds x {args.speed_batches} batches x "
+                    f"{args.speed_tokens} tokens): ratio {ratio:.3f} (>= {MIN_SPEED_RATIO})"
+                )
+                if ratio < MIN_SPEED_RATIO:
+                    speed_failures.append(
+                        f"capture runs at {ratio:.3f} of plain prefill (< {MIN_SPEED_RATIO})"
+                    )
         t3 = time.perf_counter()
         print(f"{source_name} capture: {t3 - t2:.1f}s")
         if args.dummy_weights:
-            failures = check_smoke(samples, got, args.hidden)
+            failures = check_smoke(samples, got, args.hidden) + speed_failures
             hf_layers = got_layers
         else:
             hf_states, hf_per_layer, hf_layers = capture_transformers(
@@ -748,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
                 device="cpu" if args.cpu_dry_run else "cuda",
             )
             print(f"transformers capture: {time.perf_counter() - t3:.1f}s")
-            failures = []
+            failures = list(speed_failures)
             if tuple(got_layers) != tuple(hf_layers):
                 failures.append(
                     f"aux layers differ: {source_name} {got_layers} vs transformers {hf_layers}"

@@ -47,11 +47,22 @@ rule validate:
         responses=rules.generate.output.responses,
         tokenized=rules.tokenize.output.tokenized,
         tokenize_stats=rules.tokenize.output.stats,
+        # The target's head and eos ids, for the agreement check.
+        model=model_config_file(),
     output:
         manifest=layout.MANIFEST,
     log:
         "logs/validate/{dataset}.log",
     conda:
-        "../envs/data.yaml"
+        "../envs/torch.yaml"
+    params:
+        checks={
+            "aux_layers": config["hidden_states"]["aux_layers"],
+            "aux_layer_convention": config["hidden_states"]["aux_layer_convention"],
+            "agreement": config["validate"]["agreement"],
+            "retokenize_samples": config["validate"]["retokenize_samples"],
+            "tokenize": tokenize_settings(config),
+            "trust_remote_code": config["model"].get("trust_remote_code", False),
+        },
     script:
         "../scripts/validate_shards.py"

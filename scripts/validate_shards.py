@@ -1,4 +1,5 @@
-"""Snakemake script: check every shard of a dataset and write manifest.json."""
+"""Snakemake script: check every shard of a dataset (and the target's agreement with
+its tokens) and write manifest.json."""
 
 import sys
 from pathlib import Path
@@ -18,4 +19,11 @@ run_step(
     plan_path=snakemake.input.plan,
     shard_paths=list(snakemake.input.shards),
     out_manifest=snakemake.output.manifest,
+    model_path=str(Path(snakemake.input.model).parent),
+    aux_layers=snakemake.params.checks["aux_layers"],
+    aux_layer_convention=snakemake.params.checks["aux_layer_convention"],
+    agreement_settings=snakemake.params.checks["agreement"],
+    tokenize=snakemake.params.checks["tokenize"],
+    retokenize_samples=snakemake.params.checks["retokenize_samples"],
+    trust_remote_code=snakemake.params.checks["trust_remote_code"],
 )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -534,6 +535,19 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
+_KIMI_HEAD_SCALE = 50.0
+
+
+@functools.cache
+def _kimi_word_ids() -> list[int]:
+    """Ids of the fixture's whole-word tokens: a space and 3+ ASCII letters."""
+    return [
+        rank
+        for rank, token in enumerate(kimi_ranks())
+        if token.startswith(b" ") and token[1:].isalpha() and len(token) >= 4
+    ]
+
+
 def kimi_text_config() -> DeepseekV3Config:
     """The tiny DeepSeek-V3 decoder config: Kimi's vocab and special ids, toy sizes."""
     from transformers import DeepseekV3Config
@@ -555,7 +569,17 @@ def _kimi_random_decoder() -> DeepseekV3ForCausalLM:
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(kimi_text_config()).to(torch.bfloat16)
+    model = DeepseekV3ForCausalLM(kimi_text_config())
+    with torch.no_grad():
+        # Like a trained head, and unlike a random init, this one makes the data check
+        # itself (the validate job's agreement check): a random head's logits are
+        # near-uniform, so greedy picks are near-ties that bf16 vs float32 flip, and its
+        # token soup does not survive decode -> re-render -> encode. Scaled up, and only
+        # whole-word tokens (" capital") can win, which re-encode to themselves.
+        words = torch.zeros(KIMI_VOCAB_SIZE)
+        words[_kimi_word_ids()] = _KIMI_HEAD_SCALE
+        model.lm_head.weight.mul_(words[:, None])
+    model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     model.generation_config.bos_token_id = KIMI_BOS_ID
     model.generation_config.eos_token_id = KIMI_GENERATION_EOS_ID

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
+from .. import model_config
 from ..atomic import write_json
 from ..errors import ValidationError
 from ..shards import open_shard, validate_shard
 from ..tokenization.table import sample_id_of
+from . import agreement
+from .layers import AuxLayerError, resolve_aux_layers
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +32,15 @@ CHECKS = [
     "ids unique and equal to the planned slice of the tokenized data",
     "tokenized samples are the responses in order, each trained (whole or per assistant "
     "turn) or recorded as dropped",
+    "aux layer ids and layer count as the config's rule gives them for the model",
+    "a seeded sample of responses, re-rendered and re-tokenized from scratch, equals the "
+    "shards' token ids and loss masks",
 ]
+AGREEMENT_CHECK = (
+    "the target agrees with the tokens it generated: lm_head(last state at t) predicts the "
+    "token at t + 1 (greedy: agreement; sampled: log-probability), well above a "
+    "one-token-shifted control"
+)
 
 
 def sample_id_errors(
@@ -61,6 +74,180 @@ def sample_id_errors(
     return errors
 
 
+def aux_layer_errors(
+    attrs: Mapping[str, Any], spec: Any, convention: str, num_layers: int
+) -> list[str]:
+    """The aux layers a shard records against what the config's rule gives for the
+    model's depth (the agreement check cannot see them: it reads only the last state)."""
+    try:
+        expected = resolve_aux_layers(spec, num_layers, convention).as_attrs()  # type: ignore[arg-type]
+    except AuxLayerError as exc:
+        return [f"hidden_states.aux_layers: {exc}"]
+    wrong = {
+        key: (attrs.get(key), value)
+        for key, value in expected.items()
+        if _jsonable(attrs.get(key)) != value
+    }
+    return [
+        f"{key} is {got}, the config's rule gives {want} for this {num_layers}-layer model"
+        for key, (got, want) in wrong.items()
+    ]
+
+
+@dataclass
+class _Responses:
+    ids: list[str]
+    greedy: bool  # every response generated at temperature 0
+    turns: dict[str, list[agreement.TurnRecord]]
+
+
+def _read_responses(responses_path: str) -> _Responses:
+    out = _Responses([], True, {})
+    with open(responses_path, encoding="utf-8") as fh:
+        for line in fh:
+            record = json.loads(line)
+            out.ids.append(record["id"])
+            out.greedy &= not float(record.get("sampling", {}).get("temperature", 0.0))
+            out.turns[record["id"]] = agreement.turn_records(record)
+    return out
+
+
+def retokenize_errors(
+    responses_path: str,
+    shard_paths: Sequence[str],
+    *,
+    model_path: str,
+    tokenize: Mapping[str, Any],
+    trust_remote_code: bool,
+    count: int,
+    seed: int = 0,
+) -> list[str]:
+    """Re-render and re-tokenize a seeded sample of ``count`` responses from scratch
+    (the chat module, the target's tokenizer, the tokenize settings) and compare each
+    sample with what the shards hold: the end-to-end check of the loss mask and the token
+    ids, which the agreement check cannot see (a mask shifted by one token still selects
+    tokens the target predicts well)."""
+    import numpy as np
+
+    from ..chat import tokenize_conversation
+    from ..target import load_tokenizer
+
+    with open(responses_path, encoding="utf-8") as fh:
+        lines = fh.readlines()
+    if not lines or count <= 0:
+        return []
+    chosen = sorted(
+        np.random.default_rng(seed).choice(len(lines), min(count, len(lines)), replace=False)
+    )
+    tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+    # sample id -> (where it comes from, what the chat module gives for it)
+    expected: dict[str, tuple[str, list[int], list[int]]] = {}
+    for line_no in chosen:
+        response = json.loads(lines[line_no])
+        samples = tokenize_conversation(
+            tokenizer,
+            response["messages"],
+            chat_template_kwargs=tokenize["chat_template_kwargs"],
+            max_seq_len=tokenize["max_seq_len"],
+            reasoning=tokenize["reasoning"],
+            tools=response.get("tools"),
+        )
+        for tok in samples:
+            if tok.num_loss_tokens:  # else dropped at tokenize time (recorded there)
+                sid = sample_id_of(response["id"], tok.turn, len(samples))
+                origin = f"{responses_path}:{line_no + 1}"
+                expected[sid] = (origin, tok.input_ids, tok.loss_mask)
+    errors: list[str] = []
+    for path in shard_paths:
+        with open_shard(path) as shard:
+            for i, sid in enumerate(shard.sample_ids):
+                if sid not in expected:
+                    continue
+                origin, want_ids, want_mask = expected.pop(sid)
+                rows = slice(int(shard.sample_offsets[i]), int(shard.sample_offsets[i + 1]))
+                where = f"{path} sample {sid!r} ({origin})"
+                if shard.input_ids[rows].tolist() != want_ids:
+                    errors.append(
+                        f"{where}: its token ids are not what the target's tokenizer gives "
+                        f"for the chat template's render of the response (compare the shard "
+                        f"attributes tokenizer_hash/chat_template_hash with model.path's)"
+                    )
+                elif (mask := shard.loss_mask[rows].tolist()) != want_mask:
+                    errors.append(f"{where}: {_mask_difference(mask, want_mask)}")
+    missing = ((sid, origin) for sid, (origin, _, _) in expected.items())
+    errors.extend(f"{origin}: sample {sid!r} is in no shard" for sid, origin in missing)
+    return errors
+
+
+def _mask_difference(stored: list[int], expected: list[int]) -> str:
+    diff = [j for j, (a, b) in enumerate(zip(stored, expected, strict=True)) if a != b]
+    for shift in (1, -1, 2, -2):
+        moved = ([0] * shift + expected)[: len(expected)] if shift > 0 else expected[-shift:]
+        moved = moved + [0] * (len(expected) - len(moved))
+        if moved == stored:
+            return (
+                f"the loss mask is the chat template's shifted by {shift:+d} token(s) "
+                f"({len(diff)} positions differ, first at token {diff[0]})"
+            )
+    return (
+        f"the loss mask differs from the chat template's at {len(diff)} positions (first at "
+        f"token {diff[0]}: stored {stored[diff[0]]}, expected {expected[diff[0]]})"
+    )
+
+
+def check_agreement(
+    dataset: str,
+    shard_paths: Sequence[str],
+    model_path: str,
+    settings: Mapping[str, Any],
+    responses: _Responses,
+) -> dict[str, Any]:
+    """The agreement section of the manifest; raises when it fails the thresholds."""
+    greedy = responses.greedy
+    head = agreement.load_head(model_path)
+    end_of_turn = agreement.end_of_turn_ids(model_path)
+    total = agreement.AgreementStats()
+    per_shard = []
+    count = settings["positions_per_shard"]
+    for k, path in enumerate(shard_paths):
+        with open_shard(path) as shard:
+            stats = agreement.shard_agreement(
+                shard,
+                head,
+                end_of_turn,
+                None if count == "all" else int(count),
+                seed=k,
+                turns=responses.turns,
+            )
+        total = total.combine(stats)
+        per_shard.append({"file": Path(path).name, **stats.summary()})
+    summary = total.summary()
+    section = {
+        **summary,
+        "greedy": greedy,
+        "judged_by": "agreement" if greedy else "mean_logprob",
+        "end_of_turn_ids": sorted(end_of_turn),
+        "settings": dict(settings),
+        "shards": per_shard,
+    }
+    log.info(
+        "%s agreement %s (control %s), mean log-prob %s (control %s) over %d positions, %s",
+        dataset,
+        summary["agreement"],
+        summary["control_agreement"],
+        summary["mean_logprob"],
+        summary["control_mean_logprob"],
+        summary["positions"],
+        "greedy" if greedy else "sampled",
+    )
+    problems = agreement.judge(summary, greedy=greedy, settings=settings)
+    if problems:
+        for entry in per_shard:
+            log.error("%s %s", dataset, entry)
+        raise ValidationError(agreement.failure_message(dataset, summary, problems))
+    return section
+
+
 def validate(
     *,
     dataset: str,
@@ -70,13 +257,23 @@ def validate(
     plan_path: str,
     shard_paths: list[str],
     out_manifest: str,
+    model_path: str | None = None,
+    aux_layers: Any = "auto",
+    aux_layer_convention: str = "layer_output",
+    agreement_settings: Mapping[str, Any] | None = None,
+    tokenize: Mapping[str, Any] | None = None,
+    retokenize_samples: int = 0,
+    trust_remote_code: bool = False,
 ) -> None:
+    """Check the dataset's shards. With ``model_path`` (the target) also: the aux layers
+    against the rule, the agreement check (``agreement_settings``: ``validate.agreement``)
+    and ``retokenize_samples`` responses re-tokenized with the ``tokenize`` settings."""
     plan = json.loads(Path(plan_path).read_text())
     tok_stats = json.loads(Path(tokenize_stats_path).read_text())
     rows = pl.read_parquet(tokenized_path, columns=["index", "id", "turn"])
     tokenized = rows["id"].to_list()
-    with open(responses_path, encoding="utf-8") as fh:
-        response_ids = [json.loads(line)["id"] for line in fh]
+    responses = _read_responses(responses_path)
+    response_ids = responses.ids
     errors = sample_id_errors(rows, response_ids, tok_stats["dropped"])
     errors = [f"{tokenized_path}: {e} (responses: {responses_path})" for e in errors]
     if len(shard_paths) != len(plan["shards"]):
@@ -94,15 +291,38 @@ def validate(
                 "sha256": check.sha256,
             }
         )
+    attrs: dict[str, Any] = {}
+    if shard_paths and not errors:  # a dataset can be empty (e.g. token_budget 0)
+        with open_shard(shard_paths[0]) as first:
+            skip = ("shard", "num_samples", "num_tokens")
+            attrs = {k: v for k, v in first.attrs.items() if k not in skip}
+        if model_path is not None:
+            depth = model_config.num_hidden_layers(model_config.read_model_config(model_path))
+            errors.extend(
+                f"{shard_paths[0]}: {e}"
+                for e in aux_layer_errors(attrs, aux_layers, aux_layer_convention, depth)
+            )
+        if model_path is not None and tokenize is not None and retokenize_samples:
+            errors.extend(
+                retokenize_errors(
+                    responses_path,
+                    shard_paths,
+                    model_path=model_path,
+                    tokenize=tokenize,
+                    trust_remote_code=trust_remote_code,
+                    count=retokenize_samples,
+                )
+            )
     if errors:
         raise ValidationError(
             f"{dataset}: {len(errors)} problem(s) found:\n" + "\n".join(f"  - {e}" for e in errors)
         )
-    attrs: dict[str, Any] = {}
-    if shard_paths:  # a dataset can be empty (e.g. token_budget 0): no shards, still valid
-        with open_shard(shard_paths[0]) as first:
-            skip = ("shard", "num_samples", "num_tokens")
-            attrs = {k: v for k, v in first.attrs.items() if k not in skip}
+    settings = {**agreement.DEFAULT_SETTINGS, **(agreement_settings or {})}
+    checks = list(CHECKS)
+    agreement_section: dict[str, Any] | None = None
+    if model_path is not None and settings["enabled"]:
+        agreement_section = check_agreement(dataset, shard_paths, model_path, settings, responses)
+        checks.append(AGREEMENT_CHECK)
     manifest = {
         "dataset": dataset,
         "num_shards": len(shards),
@@ -111,8 +331,10 @@ def validate(
         "num_loss_tokens": tok_stats["loss_tokens"],
         "bytes": sum(Path(p).stat().st_size for p in shard_paths),
         "shards": shards,
-        "checks": CHECKS,
+        "checks": checks,
         "attrs": _jsonable(attrs),
+        # None: the check was off (validate.agreement.enabled: false).
+        "agreement": agreement_section,
     }
     write_json(out_manifest, manifest)
     log.info(

@@ -68,10 +68,11 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 
 TEMP_SUFFIX = ".tmp"
-_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+# This machine, as writers name themselves (temporaries here, journal run files).
+HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
 # Who writes a temporary is part of its name: ``.<target>.<host>_<pid>.<random>.tmp``.
 # (A lock on the file itself would clash with HDF5's own file locking.)
-_WRITER_TAG = f"{_HOST}_{os.getpid()}"
+_WRITER_TAG = f"{HOST}_{os.getpid()}"
 
 
 def _temp_prefix(target: Path) -> str:
@@ -95,13 +96,27 @@ def remove_stale_temporaries(target: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
+def live_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
+    """Temporaries in ``directory`` that a live process of this host is writing now
+    (the status command's sign that a job is at work there; other hosts' are not judged)."""
+    live = []
+    for tmp in Path(directory).glob(f".*{TEMP_SUFFIX}"):
+        # .<target>.<host>_<pid>.<random>.tmp: the tag is the second-to-last dotted part.
+        parts = tmp.name[: -len(TEMP_SUFFIX)].rsplit(".", 2)
+        host, _, pid = parts[-2].rpartition("_") if len(parts) == 3 else ("", "", "")
+        if host == HOST and pid.isdigit() and pid_alive(int(pid)):
+            live.append(tmp)
+    return live
+
+
 def _writer_gone(tag: str) -> bool:
     """Whether the writer a ``<host>_<pid>`` tag names is a dead process of this host."""
     host, _, pid = tag.rpartition("_")
-    return host == _HOST and pid.isdigit() and not _pid_alive(int(pid))
+    return host == HOST and pid.isdigit() and not pid_alive(int(pid))
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host has the id ``pid`` (a reused id reads as alive)."""
     if pid == os.getpid():
         return True
     try:

@@ -27,11 +27,29 @@ def model_name(model_cfg: Mapping[str, Any]) -> str:
     return model_cfg.get("name") or Path(model_cfg["path"]).name
 
 
-def load_config(path: Path) -> dict[str, Any]:
-    """The workflow's config with the schema's defaults, as the Snakefile sees it."""
-    import yaml
+# The schema of this checkout of the workflow (src/eagle3data/ -> config/schema.yaml).
+PACKAGE_SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
+
+
+def schema_for(workdir: Path) -> Path:
+    """The schema a workflow directory's Snakefile validates with (its
+    ``config/schema.yaml``), else this checkout's: never one beside a config file,
+    which may live anywhere (``--config ~/whatif.yaml``)."""
+    own = workdir / "config" / "schema.yaml"
+    return own if own.is_file() else PACKAGE_SCHEMA
+
+
+def validate_config(config: dict[str, Any], schema: Path) -> dict[str, Any]:
+    """``config`` checked against ``schema``, its defaults filled in (in place)."""
     from snakemake.utils import validate
 
-    config = yaml.safe_load(path.read_text())
-    validate(config, str(path.parent / "schema.yaml"))
+    validate(config, str(schema))
     return config
+
+
+def load_config(path: Path, schema: Path | None = None) -> dict[str, Any]:
+    """The workflow's config with the schema's defaults, as the Snakefile sees it
+    (``schema``: default, this checkout's)."""
+    import yaml
+
+    return validate_config(yaml.safe_load(path.read_text()), schema or PACKAGE_SCHEMA)

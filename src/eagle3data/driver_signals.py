@@ -1,4 +1,6 @@
-"""Make SIGTERM safe for the Snakemake driver.
+"""Signals: SIGTERM made safe for the Snakemake driver, and a clean stop for its jobs.
+
+**The driver.**
 
 Snakemake's scheduler (checked on 9.27.1) installs ``JobScheduler.exit_gracefully``
 as the driver's SIGTERM handler, and that handler takes the scheduler's
@@ -15,6 +17,13 @@ exit once the running ones end) but moves the handler to a helper thread, where
 waiting for the lock is harmless: the new main-thread handler only writes a byte
 to a pipe, which takes no Python lock. No library does this for us; it is called
 from the workflow's ``onstart`` hook, after Snakemake has installed its handler.
+
+**The jobs.** Ctrl-C sends SIGINT, ``kill``, ``scancel`` and a pod stop send SIGTERM, to
+every process of the run. By default a job then dies with a long ``KeyboardInterrupt``
+traceback from wherever it was (often deep inside torch), or silently for SIGTERM.
+:func:`stop_on_signals` (installed by :func:`eagle3data.jobs.run_step`) turns the first of
+either into :class:`StopSignal` in the job's main thread, so the job unwinds (locks and
+journals closed, temporaries removed) and says in one line what it kept.
 """
 
 from __future__ import annotations
@@ -48,3 +57,31 @@ def relay_sigterm_off_main_thread() -> bool:
     threading.Thread(target=relay, name="sigterm-relay", daemon=True).start()
     signal.signal(signal.SIGTERM, wake_relay)
     return True
+
+
+class StopSignal(KeyboardInterrupt):
+    """SIGINT or SIGTERM asked this job to stop (a KeyboardInterrupt, so code that
+    already handles Ctrl-C handles both)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def stop_on_signals() -> None:
+    """Raise :class:`StopSignal` in the main thread on the first SIGINT or SIGTERM, and
+    ignore both from then on, so a second signal cannot cut the cleanup short (SIGKILL
+    still can). Call it from the main thread."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise StopSignal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
+def signal_name(stop: KeyboardInterrupt) -> str:
+    """Which signal a KeyboardInterrupt stands for (a plain one is Python's SIGINT)."""
+    return signal.Signals(stop.signum).name if isinstance(stop, StopSignal) else "SIGINT"

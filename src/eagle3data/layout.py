@@ -9,6 +9,7 @@ directory, as Snakemake sees them.
 
 from __future__ import annotations
 
+import glob
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,10 @@ SPECFORGE_WORK = f"{WORK}/specforge"
 REPORT_FIGURE = f"{RESULTS}/report/{{figure}}.png"
 REPORT_SUMMARY = f"{RESULTS}/report/summary.html"
 
+# Job logs, as the rules name them: logs/{rule}/{dataset}.log, or logs/{rule}/{dataset}/
+# for jobs that split a dataset (hidden-state shards).
+LOGS = "logs"
+
 STATUS_CACHE = f"{WORK}/status"
 GPU_LOCKS = f"{WORK}/gpu-locks"
 DEMO_MODEL = "resources/models/SmolLM2-135M-Instruct"
@@ -80,6 +85,12 @@ class Results:
     @property
     def root(self) -> Path:
         return self.workdir / RESULTS
+
+    def job_logs(self, dataset: str) -> list[Path]:
+        """The logs of the dataset's jobs (a running job's run file sits beside its log:
+        :mod:`eagle3data.jobs`)."""
+        logs, name = self.workdir / LOGS, glob.escape(dataset)
+        return sorted([*logs.glob(f"*/{name}.log"), *logs.glob(f"*/{name}/*.log")])
 
     def shard_files(self, dataset: str) -> list[Path]:
         """The shard files now in a dataset's directory, in shard order (``dataset="*"``:

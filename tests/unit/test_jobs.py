@@ -7,6 +7,7 @@ import importlib
 import inspect
 import logging
 import pkgutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -54,6 +55,7 @@ INTERNAL = {
     "eagle3data.generation.engines.TransientError",  # retried, then dispatched again
     "eagle3data.prompts.shapes.Bad",  # becomes a PromptFormatError or a recorded skip
     "eagle3data.prompts.readers._CorruptStream",  # becomes a PromptFormatError naming the file
+    "eagle3data.driver_signals.StopSignal",  # SIGINT/SIGTERM: run_step ends with one line
 }
 
 
@@ -97,10 +99,14 @@ def test_gpus_that_cannot_be_had_end_the_job_with_one_line(tmp_path, monkeypatch
 
 @pytest.fixture(autouse=True)
 def _restore_logging():
-    """run_step configures the root logger for a job process; undo it for later tests."""
+    """run_step configures the root logger and the signal handlers for a job process;
+    undo both for later tests."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     yield
+    for sig, handler in signals.items():
+        signal.signal(sig, handler)
     for handler in root.handlers:
         if handler not in handlers:
             handler.close()

@@ -384,7 +384,7 @@ def test_temporaries_of_other_hosts_or_unknown_writers_are_kept(tmp_path):
     dead_pid.wait()
     other_host = tmp_path / f".x.json.other-node_{dead_pid.pid}.abcd.tmp"
     unknown = tmp_path / ".x.json.abcd.tmp"
-    ours = tmp_path / f".x.json.{atomic._HOST}_{dead_pid.pid}.abcd.tmp"
+    ours = tmp_path / f".x.json.{atomic.HOST}_{dead_pid.pid}.abcd.tmp"
     for path in (other_host, unknown, ours):
         path.write_text("")
     assert remove_stale_temporaries(target) == [ours]

@@ -14,7 +14,10 @@ from eagle3data.generation.records import SUMMARY_SCHEMA, summarise
 from eagle3data.monitor.report import (
     DPI,
     FIGURES,
+    BudgetBar,
+    BudgetUse,
     budget_use,
+    budget_use_figure,
     build_report,
     figure_size,
     length_histogram,
@@ -254,3 +257,24 @@ def test_build_report_writes_sized_deterministic_pictures_and_a_summary(tmp_path
     assert "24 (80.0%)" in page and "1 (33.3%)" in page
     # Three 5-token records journaled 30 s apart.
     assert "15 tokens in 1m00s (15 per minute)" in page
+
+
+def _overlaps(a: Any, b: Any) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_budget_legend_covers_no_bar_and_no_numbers(n: int) -> None:
+    # The last bar's numbers end where the legend used to sit (lower right, inside).
+    bars = [BudgetBar(f"B{i}", BudgetUse(900 + i, 150, 1000), "token_budget") for i in range(n - 1)]
+    bars.append(BudgetBar("B9", BudgetUse(400, 2500, 1000), None))
+    fig = budget_use_figure(bars)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    [legend] = fig.legends
+    box = legend.get_window_extent(renderer)
+    [ax] = fig.axes
+    covered = [t.get_text() for t in ax.texts if _overlaps(box, t.get_window_extent(renderer))]
+    covered += [p.get_label() for p in ax.patches if _overlaps(box, p.get_window_extent(renderer))]
+    assert covered == []
+    assert "not decided yet" in ax.texts[-1].get_text()  # a running dataset's bar

@@ -53,7 +53,10 @@ def test_status_mid_generation_and_after_the_run(make_workflow, tmp_path, capsys
     generated = sum(r["usage"]["completion_tokens"] for r in journal)
     assert a["waste_tokens"] == generated - tokens
     assert a["token_budget"] == 400 and a["budget_used"] == pytest.approx(tokens / 400)
-    assert a["tokens_per_s"] > 0 and a["eta_s"] > 0
+    # Stopped: no current rate or ETA; the projection goes at the last run's rate.
+    assert (a["state"], a["tokens_per_s"], a["eta_s"]) == ("stopped", None, None)
+    assert a["projection_rate"] > 0 and a["projection_rate_basis"] == "last run"
+    assert a["projected_s"] == pytest.approx(a["tokens_to_generate"] / a["projection_rate"])
     assert a["conversations_planned"] > a["conversations_done"]
     assert a["estimate_basis"] == "extrapolated" and a["bytes_estimated"] > 0
     assert (a["shards_done"], a["shards_planned"], a["bytes_on_disk"]) == (0, None, 0)
@@ -74,8 +77,9 @@ def test_status_mid_generation_and_after_the_run(make_workflow, tmp_path, capsys
 
     assert main(["-d", str(wf.root)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:3] == ["dataset", "stage", "conversations"]
-    assert table[1].split()[:4] == ["A1", "generate", f"{len(prefix)}/{a['conversations_planned']}",
+    assert table[0].split()[:4] == ["dataset", "state", "stage", "conversations"]
+    assert table[1].split()[:5] == ["A1", "stopped", "generate",
+                                    f"{len(prefix)}/{a['conversations_planned']}",
                                     f"{tokens}/400"]  # fmt: skip
 
     wf.run()
@@ -85,7 +89,11 @@ def test_status_mid_generation_and_after_the_run(make_workflow, tmp_path, capsys
         stats = wf.stats(ds)
         manifest = json.loads(wf.path(f"results/hidden_states/{ds}/manifest.json").read_text())
         shards = sorted(wf.path(f"results/hidden_states/{ds}").glob("shard-*.h5"))
-        assert st["stage"] == "done"
+        assert (st["state"], st["stage"], st["stop_reason"]) == (
+            "done",
+            "done",
+            stats["stop_reason"],
+        )
         assert st["conversations_done"] == st["conversations_planned"] == stats["in_output"]
         assert st["completion_tokens"] == stats["completion_tokens"]
         assert st["waste_tokens"] == stats["waste_tokens"]

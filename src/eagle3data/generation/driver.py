@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_jsonl
+from ..driver_signals import signal_name
 from ..errors import GenerationAborted
 from .budget import (
     LengthModel,
@@ -492,10 +493,13 @@ def run_generation(
             " (resuming)" if run.resumed else "",
         )
         if not run.sel.complete:
-            if streaming:
-                asyncio.run(_stream(run, engine_factory, error_limits or ErrorLimits()))
-            else:
-                _batched(run, engine_factory)
+            try:
+                if streaming:
+                    asyncio.run(_stream(run, engine_factory, error_limits or ErrorLimits()))
+                else:
+                    _batched(run, engine_factory)
+            except KeyboardInterrupt as stop:  # SIGINT, or SIGTERM (driver_signals)
+                raise GenerationAborted(stopped_message(run, signal_name(stop))) from None
     run.progress.update(run.sel, run.records, force=True)
     return _assemble(job, run.order, run.records, run.sel, run.resumed, run.generated_now)
 
@@ -529,6 +533,9 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
         stop.set()
 
     handled = []
+    # The job's own handlers (driver_signals.stop_on_signals) come back afterwards:
+    # removing a loop's handler would leave the default one instead.
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, request_stop, sig)
@@ -575,10 +582,7 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
                 run.commit(finished)
             failures.check()
         if stop.is_set():
-            raise GenerationAborted(
-                f"{run.job.dataset}: stopped by {stop_reason[0]}; {run.generated_now} responses "
-                "finished in this run are kept, re-run to resume"
-            )
+            raise GenerationAborted(stopped_message(run, stop_reason[0]))
     finally:
         # Closing the connections aborts these requests in SGLang and vLLM.
         for task in in_flight:
@@ -590,7 +594,17 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
             log.info("%s: cancelled %d requests in flight", run.job.dataset, len(in_flight))
         for sig in handled:
             loop.remove_signal_handler(sig)
+            signal.signal(sig, previous[sig])
         await engine.close()
+
+
+def stopped_message(run: _Run, by: str) -> str:
+    """The one line a stopped generate job ends with: what is kept, and how to go on."""
+    return (
+        f"{run.job.dataset}: stopped by {by}; {run.generated_now} responses finished "
+        f"in this run are kept ({len(run.records)} in {run.job.journal}); run the same command "
+        "to resume"
+    )
 
 
 def _assemble(

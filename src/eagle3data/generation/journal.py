@@ -5,6 +5,9 @@ Each record is appended with one ``write`` and fsynced, so after any kill the
 file holds every record that was acknowledged plus at most one torn last line
 (a power loss mid-write). Opening a journal for append repairs that tail by
 truncating it away; reading tolerates it.
+
+Who writes a journal is recorded beside it (``{key}.run.json``, :mod:`..liveness`), so
+the status command can tell a running job from a stopped one without touching the lock.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, Self
 
 from ..atomic import dumps_line, fsync_dir
 from ..errors import JournalCorruptError, JournalLockedError
+from ..liveness import Heartbeat
 
 
 def read_journal(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
@@ -87,6 +91,7 @@ class JournalWriter:
         self.repaired_bytes = _truncate_torn_tail(self._fh)
         if not existed:
             fsync_dir(self.path.parent)
+        self._heartbeat = Heartbeat(self.path)
 
     def append(self, record: dict[str, Any]) -> None:
         self.append_many([record])
@@ -101,6 +106,8 @@ class JournalWriter:
         os.fsync(self._fh.fileno())
 
     def close(self) -> None:
+        # While the lock is still ours: the next writer's run file is never overwritten.
+        self._heartbeat.stop()
         self._fh.close()
         self._lock_fh.close()
 

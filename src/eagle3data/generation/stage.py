@@ -60,7 +60,7 @@ def generate(
     streaming = is_streaming(settings["backend"])
     result = run_generation(
         job,
-        lambda: build_engine(settings, execution, threads=threads),
+        lambda: build_engine(settings, execution, threads=threads, label=dataset),
         streaming=streaming,
         error_limits=ErrorLimits(
             max_consecutive_failures=execution["max_consecutive_failures"],

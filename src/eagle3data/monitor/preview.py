@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import polars as pl
+
+from ..generation.records import SUMMARY_SCHEMA
 from ..generation.settings import journal_key
 from ..hidden_states.settings import hidden_state_dtype, storage_dtype
 from ..layout import JOURNAL, PROMPTS, STATUS_CACHE, Results
@@ -29,6 +32,7 @@ from ..prompts.table import prompt_order
 from ..shards import bytes_per_token
 from ..units import human_bytes
 from .progress import DatasetProgress, dataset_progress, journal_summary
+from .stages import responses_current
 
 Basis = Literal["decided", "extrapolated", "lower bound", "unknown"]
 
@@ -101,22 +105,22 @@ def generation_progress(
     if not prompts_file.exists():
         return None
     ds_cfg = config["datasets"][dataset]
+    journal = journal_path(config, dataset, results)
     return dataset_progress(
         *prompt_order(prompts_file),
-        journal_summary(journal_path(config, dataset, results), results.path(STATUS_CACHE)),
+        pl.DataFrame(schema=SUMMARY_SCHEMA)
+        if journal is None
+        else journal_summary(journal, results.path(STATUS_CACHE)),
         token_budget=ds_cfg.get("token_budget"),
         max_samples=ds_cfg.get("max_samples"),
         max_seq_len=int(config["hidden_states"]["max_seq_len"]),
     )
 
 
-def generation_line(
-    config: Mapping[str, Any], dataset: str, progress: DatasetProgress | None
-) -> str:
-    """What generation still has to do for one dataset, in tokens and conversations."""
-    ds_cfg = config["datasets"][dataset]
+def limits_text(ds_cfg: Mapping[str, Any]) -> str:
+    """A dataset's limits in words, e.g. ``800 completion tokens and 16 conversations``."""
     budget, max_samples = ds_cfg.get("token_budget"), ds_cfg.get("max_samples")
-    limits = (
+    return (
         " and ".join(
             text
             for text in (
@@ -127,24 +131,42 @@ def generation_line(
         )
         or "no limit (every prompt)"
     )
+
+
+def generation_line(
+    config: Mapping[str, Any],
+    dataset: str,
+    progress: DatasetProgress | None,
+    results: Results | None = None,
+) -> str:
+    """What generation still has to do for one dataset, in tokens and conversations."""
+    ds_cfg = config["datasets"][dataset]
+    limits = limits_text(ds_cfg)
     if progress is None or progress.basis == "nothing yet":
         return f"  {dataset}: nothing generated yet; up to {limits}"
     done = (
         f"{progress.completion_tokens} completion tokens in {progress.conversations} conversations"
     )
     if progress.basis == "decided":
-        return f"  {dataset}: done: {done} (limits: {limits})"
+        waste = progress.generated_tokens - progress.completion_tokens
+        line = f"  {dataset}: done: {done} (limits: {limits}); waste {waste} tokens"
+        if not responses_current(results or Results(), dataset, ds_cfg):
+            # A changed limit lists a generate job: say it generates nothing.
+            line += "; nothing to generate: its generate job only writes the output"
+        return line
     more_convs = progress.expected_conversations - progress.conversations
-    if budget is not None:
-        more = f"about {max(budget - progress.completion_tokens, 0)} completion tokens"
-    else:
-        per = progress.completion_tokens / max(progress.conversations, 1)
-        more = f"about {round(more_convs * per)} completion tokens"
-    return f"  {dataset}: {done}; {more} (~{more_convs} conversations) to go (limits: {limits})"
+    more = progress.expected_completion_tokens - progress.completion_tokens
+    return (
+        f"  {dataset}: {done}; about {more} completion tokens (~{more_convs} conversations) "
+        f"to go (limits: {limits})"
+    )
 
 
-def journal_path(config: Mapping[str, Any], dataset: str, results: Results) -> Path:
-    """The journal the current generation settings write."""
+def journal_path(config: Mapping[str, Any], dataset: str, results: Results) -> Path | None:
+    """The journal the current generation settings write (None until the model directory
+    exists: its files are part of the journal's key)."""
+    if not (Path(config["model"]["path"]) / "config.json").is_file():
+        return None
     return results.path(JOURNAL, dataset=dataset, key=journal_key(config))
 
 
@@ -154,7 +176,7 @@ def preview_lines(config: Mapping[str, Any], results: Results | None = None) -> 
     results = results or Results()
     progress = {ds: generation_progress(config, ds, results) for ds in config["datasets"]}
     lines = ["Generation (from the journals; see README, 'Dry run'):"]
-    lines += [generation_line(config, ds, progress[ds]) for ds in config["datasets"]]
+    lines += [generation_line(config, ds, progress[ds], results) for ds in config["datasets"]]
     per_token = model_bytes_per_token(config)
     estimates = [estimate_from(config, ds, progress[ds], per_token) for ds in config["datasets"]]
     lines.append("Hidden-state estimate (from the files on disk):")

@@ -71,6 +71,7 @@ class DatasetProgress:
     failed: int
     expected_conversations: int  # when the prefix is decided: exact
     expected_tokens: int  # conversation tokens of the whole prefix
+    expected_completion_tokens: int  # what the budget counts, of the whole prefix
     basis: str  # "decided", "extrapolated" or "nothing yet"
     records: pl.DataFrame  # the current prompts' records (first per id)
 
@@ -111,7 +112,7 @@ def dataset_progress(
     generated = int(records["spent_tokens"].sum() or 0)
     failed = int(records["failed"].sum() or 0)
 
-    def result(convs: int, total: int, basis: str) -> DatasetProgress:
+    def result(convs: int, total: int, completion: int, basis: str) -> DatasetProgress:
         return DatasetProgress(
             sel,
             len(order),
@@ -122,22 +123,25 @@ def dataset_progress(
             failed,
             convs,
             total,
+            completion,
             basis,
             records,
         )
 
     if sel.complete:
-        return result(done, tokens, "decided")
+        return result(done, tokens, sel.tokens, "decided")
     if ok.height == 0:
-        return result(done, tokens, "nothing yet")
+        return result(done, tokens, sel.tokens, "nothing yet")
     per_conversation = float(ok["conversation_tokens"].mean())  # type: ignore[arg-type]
     completion = max(float(ok["completion_tokens"].mean()), 1.0)  # type: ignore[arg-type]
     more = float(len(order) - sel.frontier)
-    if token_budget is not None:
-        more = min(more, max(token_budget - sel.tokens, 0) / completion)
     if max_samples is not None:
         more = min(more, max_samples - done)
-    return result(done + round(more), tokens + round(more * per_conversation), "extrapolated")
+    end = sel.tokens + round(more * completion)
+    if token_budget is not None and sel.tokens + more * completion >= token_budget:
+        # The budget binds: the prefix is expected to fill it (rounding would miss it by one).
+        more, end = max(token_budget - sel.tokens, 0) / completion, token_budget
+    return result(done + round(more), tokens + round(more * per_conversation), end, "extrapolated")
 
 
 def file_lines(path: Path) -> int:

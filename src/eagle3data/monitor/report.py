@@ -5,13 +5,13 @@ One figure per question, every dataset in it (datasets keep one colour throughou
 * ``completion_lengths.png``: histogram of completion tokens per assistant turn, with
   ``max_tokens`` marked (the bar at the line is the turns that were cut off);
 * ``budget_use.png``: completion tokens in the output and the waste, as shares of the
-  token budget;
+  token budget (also drawn for a running workflow: ``eagle3data-status --plot DIR``);
 * ``truncation.png``: share of conversations whose last turn ended with
   ``finish_reason == "length"`` (and whose any turn did);
 * ``throughput.png``: completion tokens generated per minute over time, from the
   ``finished_at`` of each generated conversation (``{dataset}.records.parquet``, the
   journal summarised by the generate job; journals written before it was recorded are
-  named);
+  named; also drawn for a running workflow, from the journals themselves);
 * ``shard_tokens.png``: tokens per hidden-state shard, with the cap ``shard_bytes`` sets;
 * ``summary.html``: one table per dataset and the pictures, in one self-contained file.
 
@@ -28,7 +28,7 @@ import html
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,24 @@ def budget_use(stats: Mapping[str, Any]) -> BudgetUse:
     return BudgetUse(
         int(stats["completion_tokens"]), int(stats["waste_tokens"]), stats.get("token_budget")
     )
+
+
+@dataclass(frozen=True)
+class BudgetBar:
+    """One dataset's bar of ``budget_use.png``."""
+
+    dataset: str
+    use: BudgetUse
+    stop_reason: str | None  # None: the prefix is not decided yet (a running workflow)
+
+
+@dataclass(frozen=True)
+class JournalSeries:
+    """One dataset's line of ``throughput.png``: its journal summarised."""
+
+    dataset: str
+    journal: pl.DataFrame  # generation.records.SUMMARY_SCHEMA rows
+    note: str | None  # why it gives no timestamps, if it does not
 
 
 @dataclass(frozen=True)
@@ -227,6 +245,14 @@ class DatasetReport:
     journal: pl.DataFrame  # generation.records.SUMMARY_SCHEMA rows
     journal_note: str | None  # why the journal gives no timestamps, if it does not
 
+    @property
+    def budget_bar(self) -> BudgetBar:
+        return BudgetBar(self.dataset, self.budget, self.stats.get("stop_reason"))
+
+    @property
+    def journal_series(self) -> JournalSeries:
+        return JournalSeries(self.dataset, self.journal, self.journal_note)
+
 
 def read_json(path: str | Path) -> dict[str, Any]:
     with open(path, encoding="utf-8") as fh:
@@ -237,12 +263,17 @@ def load_journal(records: str | Path) -> tuple[pl.DataFrame, str | None]:
     """The generated conversations the responses were selected from (the journal as the
     generate job summarised it), and why they give no timestamps, if they do not."""
     summary = pl.read_parquet(records)
+    return summary, journal_note(summary)
+
+
+def journal_note(summary: pl.DataFrame) -> str | None:
+    """Why a journal summary gives no (or not every) timestamp, if it does not."""
     stamped = summary["finished_at"].drop_nulls().len()
     if summary.height and not stamped:
-        return summary, "journal predates timestamps (no finished_at)"
+        return "journal predates timestamps (no finished_at)"
     if stamped < summary.height:
-        return summary, f"{summary.height - stamped} older records without finished_at"
-    return summary, None
+        return f"{summary.height - stamped} older records without finished_at"
+    return None
 
 
 def load_dataset(
@@ -352,60 +383,67 @@ def plot_completion_lengths(reports: Sequence[DatasetReport], path: str | Path) 
     save_png(fig, path)
 
 
-def plot_budget_use(reports: Sequence[DatasetReport], path: str | Path) -> None:
-    fig = _new_figure("budget_use", len(reports))
+def budget_use_figure(bars: Sequence[BudgetBar], title: str = "Budget use per dataset") -> Any:
+    fig = _new_figure("budget_use", len(bars))
     ax = fig.subplots()
-    colors = dataset_colors([r.dataset for r in reports])
-    names = [r.dataset for r in reports]
-    y = np.arange(len(reports))
-    budgets = [r.budget for r in reports]
-    for i, (r, b) in enumerate(zip(reports, budgets, strict=True)):
+    colors = dataset_colors([b.dataset for b in bars])
+    names = [b.dataset for b in bars]
+    y = np.arange(len(bars))
+    for i, bar in enumerate(bars):
+        b = bar.use
+        stop = "not decided yet" if bar.stop_reason is None else f"stopped by {bar.stop_reason}"
         if b.used_share is None or b.waste_share is None:
             reason = "no token_budget" if b.token_budget is None else "token_budget 0"
             ax.text(
                 1,
                 i,
                 f"{reason}: {_fmt(b.completion_tokens)} tokens, {_fmt(b.waste_tokens)} waste;"
-                f" stopped by {r.stats.get('stop_reason')}",
+                f" {stop}",
                 va="center",
                 fontsize=8,
             )
             continue
         used, waste = 100 * b.used_share, 100 * b.waste_share
-        ax.barh(i, used, color=colors[r.dataset], height=0.6)
+        ax.barh(i, used, color=colors[bar.dataset], height=0.6)
         ax.barh(i, waste, left=used, color="0.75", hatch="//", edgecolor="0.45", height=0.6)
         ax.text(
             used + waste + 1,
             i,
             f"{_fmt(b.completion_tokens)} / {_fmt(b.token_budget or 0)} ({used:.0f}%)"
-            f" + {_fmt(b.waste_tokens)} waste; stopped by {r.stats.get('stop_reason')}",
+            f" + {_fmt(b.waste_tokens)} waste; {stop}",
             va="center",
             fontsize=8,
         )
     ax.axvline(100, color="black", linestyle="--", linewidth=1)
     ax.set_yticks(y, names)
-    ax.set_ylim(len(reports) - 0.5, -0.5)  # first dataset on top, as in the config
+    ax.set_ylim(len(bars) - 0.5, -0.5)  # first dataset on top, as in the config
     ends = [
-        100 * (b.completion_tokens + b.waste_tokens) / b.token_budget
-        for b in budgets
-        if b.token_budget
+        100 * (b.use.completion_tokens + b.use.waste_tokens) / b.use.token_budget
+        for b in bars
+        if b.use.token_budget
     ]
     ax.set_xlim(0, max([100.0, *ends]) + 60)  # room for the numbers right of the bars
     ax.set_xlabel("% of token_budget (dashed line: the budget)")
     from matplotlib.patches import Patch
 
-    ax.legend(
+    # Below the axes, never over them: inside, it covered the last bar's numbers.
+    fig.legend(
         handles=[
             Patch(color="0.35", label="in the output (completion tokens)"),
             Patch(
                 facecolor="0.75", hatch="//", edgecolor="0.45", label="waste (generated, unused)"
             ),
         ],
-        loc="lower right",
+        loc="outside lower center",
+        ncols=2,
         fontsize=8,
     )
-    ax.set_title("Budget use per dataset")
-    save_png(fig, path)
+    ax.set_title(title)
+    return fig
+
+
+def plot_budget_use(bars: Sequence[BudgetBar], path: str | Path, **kwargs: Any) -> None:
+    save_png(budget_use_figure(bars, **kwargs), path)
 
 
 def plot_truncation(reports: Sequence[DatasetReport], path: str | Path) -> None:
@@ -450,22 +488,22 @@ def plot_truncation(reports: Sequence[DatasetReport], path: str | Path) -> None:
     save_png(fig, path)
 
 
-def plot_throughput(reports: Sequence[DatasetReport], path: str | Path) -> None:
-    fig = _new_figure("throughput", len(reports))
+def plot_throughput(journals: Sequence[JournalSeries], path: str | Path) -> None:
+    fig = _new_figure("throughput", len(journals))
     ax = fig.subplots()
-    colors = dataset_colors([r.dataset for r in reports])
-    axis = throughput_axis({r.dataset: r.journal for r in reports})
-    series = {r.dataset: throughput(r.journal, axis) for r in reports}
+    colors = dataset_colors([j.dataset for j in journals])
+    axis = throughput_axis({j.dataset: j.journal for j in journals})
+    series = {j.dataset: throughput(j.journal, axis) for j in journals}
     end_bin = max((s.first_bin + len(s.tokens_per_minute) for s in series.values()), default=0)
     in_hours = end_bin * axis.bin_s > 2 * 3600
     unit_s = 3600 if in_hours else 60
     unplotted = []
-    for r in reports:
+    for r in journals:
         s = series[r.dataset]
         if not s.tokens_per_minute:
-            unplotted.append(f"{r.dataset}: {r.journal_note or 'no records'}")
+            unplotted.append(f"{r.dataset}: {r.note or 'no records'}")
             continue
-        label = r.dataset if r.journal_note is None else f"{r.dataset} ({r.journal_note})"
+        label = r.dataset if r.note is None else f"{r.dataset} ({r.note})"
         edges = (s.first_bin + np.arange(len(s.tokens_per_minute) + 1)) * axis.bin_s / unit_s
         ax.stairs(s.tokens_per_minute, edges, color=colors[r.dataset], linewidth=1.5, label=label)
     # Journals written before finished_at was recorded have no time axis: say so
@@ -524,13 +562,28 @@ def plot_shard_tokens(reports: Sequence[DatasetReport], path: str | Path) -> Non
     save_png(fig, path)
 
 
-PLOTTERS = {
+PLOTTERS: dict[str, Callable[[Sequence[DatasetReport], str | Path], None]] = {
     "completion_lengths": plot_completion_lengths,
-    "budget_use": plot_budget_use,
+    "budget_use": lambda reports, path: plot_budget_use([r.budget_bar for r in reports], path),
     "truncation": plot_truncation,
-    "throughput": plot_throughput,
+    "throughput": lambda reports, path: plot_throughput([r.journal_series for r in reports], path),
     "shard_tokens": plot_shard_tokens,
 }
+
+# What ``eagle3data-status --plot DIR`` draws of a workflow that may still be running.
+LIVE_FIGURES = ("budget_use", "throughput")
+
+
+def plot_live(
+    bars: Sequence[BudgetBar], series: Sequence[JournalSeries], out_dir: str | Path
+) -> list[Path]:
+    """The budget and throughput pictures from the journals as they are now (the report
+    rule draws them only once every dataset is validated)."""
+    out = Path(out_dir)
+    paths = [out / f"{name}.png" for name in LIVE_FIGURES]
+    plot_budget_use(bars, paths[0], title="Budget use per dataset so far")
+    plot_throughput(series, paths[1])
+    return paths
 
 
 # --- summary page ----------------------------------------------------------------

@@ -97,23 +97,28 @@ def is_streaming(backend: str) -> bool:
 
 
 def build_engine(
-    settings: Mapping[str, Any], execution: Mapping[str, Any], *, threads: int | None = None
+    settings: Mapping[str, Any],
+    execution: Mapping[str, Any],
+    *,
+    threads: int | None = None,
+    label: str = "generation",
 ) -> Engine | AsyncEngine:
     """The engine of ``settings["backend"]``.
 
     ``settings`` is what changes the output (:func:`..settings.generation_settings`, the
-    rule's params); ``execution`` says how to run (device, endpoints, concurrency, ...).
+    rule's params); ``execution`` says how to run (device, endpoints, concurrency, ...);
+    ``label`` (the dataset) names the engine's own progress lines.
     """
     backend = settings["backend"]
     if backend == "transformers":
-        return _transformers_engine(settings, execution, threads)
+        return _transformers_engine(settings, execution, threads, label)
     if backend == "openai":
         return _openai_engine(settings, execution)
     raise ValueError(f"generation.backend must be one of {list(BACKENDS)}, got {backend!r}")
 
 
 def _transformers_engine(
-    settings: Mapping[str, Any], execution: Mapping[str, Any], threads: int | None
+    settings: Mapping[str, Any], execution: Mapping[str, Any], threads: int | None, label: str
 ) -> Engine:
     from ...torch_utils import set_threads
     from .transformers_engine import TransformersEngine
@@ -126,6 +131,8 @@ def _transformers_engine(
         dtype=settings["dtype"],
         device=execution["device"],
         trust_remote_code=execution.get("trust_remote_code", False),
+        progress_interval_s=execution.get("progress_interval_s"),
+        label=label,
     )
 
 

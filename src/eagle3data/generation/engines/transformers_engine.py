@@ -16,20 +16,63 @@ markup included (Qwen3's ``<tool_call>{...}</tool_call>``, Kimi's
 returned. A later turn's history therefore carries the markup as text, which templates
 render back as the model wrote it. Completions of conversations with tools are decoded
 with special tokens kept, since some families (Kimi) mark their tool-call tokens special.
+
+Progress: a batch of long completions can take minutes, and the driver logs only between
+batches, so the engine logs how far the batch in hand has got every
+``progress_interval_s`` (tokens per conversation so far, conversations finished).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ...chat import THINK_CLOSE, THINK_OPEN, render, split_reasoning
 from ...model_config import context_length
 from ...target import load_causal_lm
 from . import Completion, Message, Tools, TurnFailure
+
+log = logging.getLogger(__name__)
+
+
+class _BatchProgress(StoppingCriteria):
+    """Logs a batch's progress every ``interval_s`` during ``generate``; stops nothing
+    (transformers calls stopping criteria once per generated token)."""
+
+    def __init__(
+        self, label: str, prompt_width: int, max_new: int, eos_ids: list[int], interval_s: float
+    ) -> None:
+        self.label = label
+        self.width = prompt_width
+        self.max_new = max_new
+        self.eos_ids = eos_ids
+        self.interval_s = interval_s
+        self.started = self.last = time.monotonic()
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        rows = input_ids.shape[0]
+        now = time.monotonic()
+        if now - self.last >= self.interval_s:
+            self.last = now
+            new = input_ids[:, self.width :]
+            eos = torch.tensor(self.eos_ids, device=new.device)
+            finished = int(torch.isin(new, eos).any(dim=1).sum())
+            log.info(
+                "%s: batch of %d: %d/%d tokens each so far, %d finished (%.0f s)",
+                self.label,
+                rows,
+                new.shape[1],
+                self.max_new,
+                finished,
+                now - self.started,
+            )
+        return torch.zeros(rows, dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
 
 class TransformersEngine:
@@ -42,7 +85,11 @@ class TransformersEngine:
         dtype: str = "auto",
         device: str = "auto",
         trust_remote_code: bool = False,
+        progress_interval_s: float | None = None,
+        label: str = "generation",
     ) -> None:
+        self.progress_interval_s = progress_interval_s  # None: no progress within a batch
+        self.label = label  # names the dataset in progress lines
         self.model, self.tokenizer = load_causal_lm(
             model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code
         )
@@ -169,6 +216,11 @@ class TransformersEngine:
             kwargs["repetition_penalty"] = s["repetition_penalty"]
         if s["stop"]:
             kwargs.update(stop_strings=list(s["stop"]), tokenizer=self.tokenizer)
+        if self.progress_interval_s is not None:
+            progress = _BatchProgress(
+                self.label, width, max_new, self.eos_ids, self.progress_interval_s
+            )
+            kwargs["stopping_criteria"] = StoppingCriteriaList([progress])
         torch.manual_seed(seed)
         out = self.model.generate(
             input_ids=input_ids.to(device),

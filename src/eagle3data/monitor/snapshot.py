@@ -1,0 +1,259 @@
+"""Where every dataset stands, from the files on disk: the rows ``eagle3data-status`` prints.
+
+Safe while a run is in progress: it only reads append-only journals, their run files
+and finished outputs (and keeps a small summary cache of each journal under
+results/.work/status). Per dataset:
+
+* ``state``: ``running`` while a job works on it (one of its generation journals or one
+  of its jobs has a live writer: :mod:`..liveness`; or a live process of this host is
+  writing one of its shards), else ``done`` once every stage is, else ``stopped``;
+* ``stage``: the first stage a run would still do (:mod:`.stages`);
+* the budget prefix decided so far, the waste, why the prefix ends (``stop``);
+* the rate and ETA of the running job only (:mod:`.projection`);
+* the projection: where it ends under the current limits, and its basis;
+* shards and hidden-state bytes, against the same estimate the dry run prints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..atomic import live_temporaries
+from ..layout import JOURNAL_DIR, SHARD_DIR, SHARD_PLAN, SKIPPED_PROMPTS, TOKENIZED, Results
+from ..liveness import read_run, run_file, runs_in
+from ..units import duration, human_bytes, human_count
+from .preview import estimate_from, generation_progress, journal_path, limits_text
+from .progress import DatasetProgress, file_lines
+from .projection import current_rate, last_run_rate, project
+from .stages import STAGES, dataset_stage, fresh
+
+
+@dataclass(frozen=True)
+class DatasetStatus:
+    dataset: str
+    state: str  # running, stopped, done
+    stage: str  # the first stage not done (stages.STAGES)
+    stop_reason: str | None  # token_budget, max_samples or exhausted, once the prefix is decided
+    prompts: int | None
+    skipped_input: int
+    failed: int
+    conversations_done: int
+    conversations_planned: int | None  # the projected end; exact once the prefix is decided
+    completion_tokens: int
+    token_budget: int | None
+    max_samples: int | None
+    budget_used: float | None  # completion_tokens / token_budget
+    generated_tokens: int  # everything journaled, used or not
+    waste_tokens: int
+    tokens_per_s: float | None  # the running job's; None when stopped or idle
+    eta_s: float | None  # of the running job
+    projected_completion_tokens: int | None
+    tokens_to_generate: int | None
+    projected_s: float | None  # to generate them at projection_rate
+    projection_rate: float | None
+    projection_rate_basis: str | None  # "this run" or "last run"
+    projection_basis: str  # decided, extrapolated, lower bound, unknown
+    shards_done: int
+    shards_planned: int | None  # from a plan that is up to date
+    bytes_on_disk: int
+    bytes_estimated: int | None  # the projection's hidden-state bytes (the dry run's estimate)
+    estimate_basis: str
+    run: dict[str, Any] | None  # the journal's latest writer: host, pid, started_at, ended_at
+
+
+@dataclass(frozen=True)
+class DatasetSnapshot:
+    status: DatasetStatus
+    progress: DatasetProgress | None  # its journal records too (for the pictures)
+
+
+def _working(results: Results, dataset: str, now: float) -> bool:
+    """Whether a job works on the dataset now: a live writer holds one of its journals
+    (also one of other generation settings), one of its jobs is alive (the run file
+    beside its log), or a live process of this host writes one of its shards."""
+    runs = runs_in(results.path(JOURNAL_DIR, dataset=dataset))
+    runs += [run for log in results.job_logs(dataset) if (run := read_run(log))]
+    return any(run.running(now) for run in runs) or bool(
+        live_temporaries(results.path(SHARD_DIR, dataset=dataset))
+    )
+
+
+def dataset_snapshot(
+    config: Mapping[str, Any],
+    dataset: str,
+    results: Results,
+    per_token: int | None,
+    now: float | None = None,
+) -> DatasetSnapshot:
+    now = time.time() if now is None else now
+    ds_cfg = config["datasets"][dataset]
+    progress = generation_progress(config, dataset, results)
+    journal = journal_path(config, dataset, results)
+    run = None if journal is None or not run_file(journal).exists() else read_run(journal)
+    stage = dataset_stage(results, dataset, config)
+    state = (
+        "running" if _working(results, dataset, now) else "done" if stage == "done" else "stopped"
+    )
+
+    rate = rate_basis = None
+    if progress is not None and run is not None and not progress.selection.complete:
+        if run.running(now):
+            rate, rate_basis = current_rate(progress.records, run, now), "this run"
+        else:
+            rate, rate_basis = last_run_rate(progress.records, run), "last run"
+    estimate = estimate_from(config, dataset, progress, per_token)
+    projection = project(ds_cfg, progress, estimate, rate, rate_basis)
+    this_run = rate_basis == "this run"
+
+    plan_file = results.path(SHARD_PLAN, dataset=dataset)
+    shards_planned = None
+    if STAGES.index(stage) >= STAGES.index("hidden_states") and fresh(
+        [plan_file], [results.path(TOKENIZED, dataset=dataset)]
+    ):
+        shards_planned = len(json.loads(plan_file.read_text())["shards"])
+    shard_files = results.shard_files(dataset)
+
+    budget = ds_cfg.get("token_budget")
+    done = completion = generated = failed = 0
+    if progress is not None:
+        done, completion = progress.conversations, progress.completion_tokens
+        generated, failed = progress.generated_tokens, progress.failed
+    decided = progress is not None and progress.selection.complete
+    status = DatasetStatus(
+        dataset=dataset,
+        state=state,
+        stage=stage,
+        stop_reason=progress.selection.stop_reason if decided and progress else None,
+        prompts=None if progress is None else progress.prompts,
+        skipped_input=file_lines(results.path(SKIPPED_PROMPTS, dataset=dataset)),
+        failed=failed,
+        conversations_done=done,
+        conversations_planned=projection.conversations,
+        completion_tokens=completion,
+        token_budget=budget,
+        max_samples=ds_cfg.get("max_samples"),
+        budget_used=None if not budget else completion / budget,
+        generated_tokens=generated,
+        waste_tokens=generated - completion,
+        tokens_per_s=rate if this_run else None,
+        eta_s=projection.seconds if this_run else None,
+        projected_completion_tokens=projection.completion_tokens,
+        tokens_to_generate=projection.to_generate,
+        projected_s=projection.seconds,
+        projection_rate=projection.rate,
+        projection_rate_basis=projection.rate_basis,
+        projection_basis=projection.basis,
+        shards_done=len(shard_files),
+        shards_planned=shards_planned,
+        bytes_on_disk=sum(f.stat().st_size for f in shard_files),
+        bytes_estimated=projection.hidden_state_bytes,
+        estimate_basis=estimate.basis,
+        run=None if run is None else {k: v for k, v in asdict(run).items() if k != "heartbeat_at"},
+    )
+    return DatasetSnapshot(status, progress)
+
+
+# --- as printed ------------------------------------------------------------------------
+
+# How sure a projected number is, by basis. Before anything is generated ("lower
+# bound"), the budget caps the completion tokens, while the hidden states hold the
+# prompts too: at most so many tokens, at least so many bytes.
+_ABOUT = {"decided": "", "extrapolated": "~", "lower bound": "<=", "unknown": ""}
+_ABOUT_BYTES = {**_ABOUT, "lower bound": ">="}
+
+
+def _about(n: int | None, basis: str) -> str:
+    return "?" if n is None else f"{_ABOUT.get(basis, '')}{human_count(n)}"
+
+
+def format_table(rows: Sequence[DatasetStatus]) -> str:
+    header = (
+        "dataset",
+        "state",
+        "stage",
+        "conversations",
+        "completion tokens / budget",
+        "projected",
+        "stop",
+        "waste",
+        "tok/s",
+        "ETA",
+        "failed",
+        "skipped",
+        "shards",
+        "hidden states on disk / est.",
+    )
+    lines = [header]
+    for r in rows:
+        planned = "?" if r.conversations_planned is None else r.conversations_planned
+        convs = f"{r.conversations_done}/{planned}"
+        if r.token_budget is None:
+            tokens = f"{r.completion_tokens}/-"
+        else:
+            tokens = f"{r.completion_tokens}/{r.token_budget} ({100 * (r.budget_used or 0):.0f}%)"
+        est = "?"
+        if r.bytes_estimated is not None:
+            est = _ABOUT_BYTES.get(r.estimate_basis, "") + human_bytes(r.bytes_estimated)
+        lines.append(
+            (
+                r.dataset,
+                r.state,
+                r.stage,
+                convs,
+                tokens,
+                _about(r.projected_completion_tokens, r.projection_basis),
+                r.stop_reason or "-",
+                str(r.waste_tokens),
+                "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.0f}",
+                duration(r.eta_s),
+                str(r.failed),
+                str(r.skipped_input),
+                f"{r.shards_done}/{r.shards_planned if r.shards_planned is not None else '?'}",
+                f"{human_bytes(r.bytes_on_disk)} / {est}",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
+
+
+def end_text(r: DatasetStatus) -> str:
+    """Where the dataset ends: conversations, completion tokens, hidden-state bytes."""
+    size = "?" if r.bytes_estimated is None else human_bytes(r.bytes_estimated)
+    basis = r.projection_basis
+    return (
+        f"{_about(r.conversations_planned, basis)} conversations, "
+        f"{_about(r.projected_completion_tokens, basis)} completion tokens, "
+        f"{_ABOUT_BYTES.get(basis, '')}{size} of hidden states ({basis})"
+    )
+
+
+def to_go_text(r: DatasetStatus) -> str:
+    """What generation still does, and how long that takes at which rate."""
+    if r.tokens_to_generate == 0:
+        return "nothing to generate"
+    if r.tokens_to_generate is None:
+        return "still to generate: unknown until something is generated"
+    more = f"{_about(r.tokens_to_generate, r.projection_basis)} completion tokens to go"
+    if r.projected_s is None or r.projection_rate is None:
+        return f"{more} (no rate: {'idle' if r.state == 'running' else 'not running'})"
+    return (
+        f"{more}: {duration(r.projected_s)} at {r.projection_rate:.0f} tok/s "
+        f"({r.projection_rate_basis})"
+    )
+
+
+def projection_lines(config: Mapping[str, Any], rows: Sequence[DatasetStatus]) -> list[str]:
+    lines = ["Projection (where each dataset ends under its current limits):"]
+    for r in rows:
+        limits = limits_text(config["datasets"][r.dataset])
+        if r.token_budget is None and r.max_samples is not None:
+            limits += "; no token_budget"
+        lines.append(f"  {r.dataset}: {end_text(r)}; {to_go_text(r)} (limits: {limits})")
+    return lines

@@ -205,3 +205,33 @@ def test_agreement_stats_add_up():
     assert total["positions"] == 20 and total["agreement"] == 0.85
     assert total["control_agreement"] == round(1 / 18, 6)
     assert agreement.AgreementStats().summary()["agreement"] is None
+
+
+def test_status_and_report_show_the_check_per_dataset():
+    from eagle3data.monitor.report import agreement_text
+    from eagle3data.monitor.snapshot import agreement_cell
+
+    greedy = {**SUMMARY, "greedy": True}
+    sampled = {**SUMMARY, "greedy": False}
+    assert agreement_cell(greedy) == "0.95/0.01"
+    assert agreement_cell(sampled) == "lp -0.8/-10.0"
+    assert agreement_cell({"enabled": False}) == "off"
+    assert agreement_cell(None) == "-"
+    assert agreement_text(greedy) == "0.9500 (control 0.0100), greedy, 100 positions"
+    assert agreement_text(sampled).endswith("; log-prob -0.80 (control -10.00)")
+    assert agreement_text(None).startswith("not checked")
+
+
+def test_a_snapshot_reads_the_agreement_from_the_manifest(tmp_path):
+    from eagle3data.layout import MANIFEST, Results
+    from eagle3data.monitor.snapshot import _agreement
+
+    results = Results(tmp_path)
+    assert _agreement(results, "A1") is None
+    manifest = results.path(MANIFEST, dataset="A1")
+    manifest.parent.mkdir(parents=True)
+    check = {**SUMMARY, "greedy": True, "shards": [{"file": "shard-00000.h5"}], "settings": {}}
+    manifest.write_text(json.dumps({"agreement": check}))
+    assert _agreement(results, "A1") == {**SUMMARY, "greedy": True}
+    manifest.write_text(json.dumps({"agreement": None}))
+    assert _agreement(results, "A1") == {"enabled": False}

@@ -11,7 +11,9 @@ results/.work/status). Per dataset:
 * the budget prefix decided so far, the waste, why the prefix ends (``stop``);
 * the rate and ETA of the running job only (:mod:`.projection`);
 * the projection: where it ends under the current limits, and its basis;
-* shards and hidden-state bytes, against the same estimate the dry run prints.
+* shards and hidden-state bytes, against the same estimate the dry run prints;
+* once validated, the target's agreement with its tokens over the control (the validate
+  job's check, :mod:`..hidden_states.agreement`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..atomic import live_temporaries
-from ..layout import JOURNAL_DIR, SHARD_DIR, SHARD_PLAN, SKIPPED_PROMPTS, TOKENIZED, Results
+from ..layout import (
+    JOURNAL_DIR,
+    MANIFEST,
+    SHARD_DIR,
+    SHARD_PLAN,
+    SKIPPED_PROMPTS,
+    TOKENIZED,
+    Results,
+)
 from ..liveness import read_run, run_file, runs_in
 from ..units import duration, human_bytes, human_count
 from .preview import estimate_from, generation_progress, journal_path, limits_text
@@ -63,6 +73,8 @@ class DatasetStatus:
     bytes_estimated: int | None  # the projection's hidden-state bytes (the dry run's estimate)
     estimate_basis: str
     run: dict[str, Any] | None  # the journal's latest writer: host, pid, started_at, ended_at
+    # The validate job's agreement check (manifest.json), once validated; None before.
+    agreement: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -153,8 +165,35 @@ def dataset_snapshot(
         bytes_estimated=projection.hidden_state_bytes,
         estimate_basis=estimate.basis,
         run=None if run is None else {k: v for k, v in asdict(run).items() if k != "heartbeat_at"},
+        agreement=_agreement(results, dataset),
     )
     return DatasetSnapshot(status, progress)
+
+
+def _agreement(results: Results, dataset: str) -> dict[str, Any] | None:
+    """The manifest's agreement totals (without the per-shard list), or None when the
+    dataset is not validated; ``{"enabled": False}`` when the check was off."""
+    manifest = results.path(MANIFEST, dataset=dataset)
+    if not manifest.is_file():
+        return None
+    check = json.loads(manifest.read_text()).get("agreement")
+    if check is None:
+        return {"enabled": False}
+    return {k: v for k, v in check.items() if k not in ("shards", "settings")}
+
+
+def agreement_cell(check: Mapping[str, Any] | None) -> str:
+    """``0.97/0.01``: agreement over the control (greedy); ``lp -1.6/-9.7``: mean
+    log-probabilities (sampled); ``off``; ``-`` before validation."""
+    if check is None:
+        return "-"
+    if check.get("enabled") is False:
+        return "off"
+    if not check.get("positions"):
+        return "n/a"
+    if check["greedy"]:
+        return f"{check['agreement']:.2f}/{check['control_agreement']:.2f}"
+    return f"lp {check['mean_logprob']:.1f}/{check['control_mean_logprob']:.1f}"
 
 
 # --- as printed ------------------------------------------------------------------------
@@ -186,6 +225,7 @@ def format_table(rows: Sequence[DatasetStatus]) -> str:
         "skipped",
         "shards",
         "hidden states on disk / est.",
+        "agrees/ctrl",
     )
     lines = [header]
     for r in rows:
@@ -214,6 +254,7 @@ def format_table(rows: Sequence[DatasetStatus]) -> str:
                 str(r.skipped_input),
                 f"{r.shards_done}/{r.shards_planned if r.shards_planned is not None else '?'}",
                 f"{human_bytes(r.bytes_on_disk)} / {est}",
+                agreement_cell(r.agreement),
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

@@ -235,3 +235,50 @@ def test_a_snapshot_reads_the_agreement_from_the_manifest(tmp_path):
     assert _agreement(results, "A1") == {**SUMMARY, "greedy": True}
     manifest.write_text(json.dumps({"agreement": None}))
     assert _agreement(results, "A1") == {"enabled": False}
+
+
+def test_retokenizing_a_sample_of_responses_finds_a_shifted_mask(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from eagle3data.chat import tokenize_conversation
+    from eagle3data.hidden_states.validation import retokenize_errors
+    from eagle3data.shards import ShardWriter
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    conversations = [
+        [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "Paris."}]
+        for i in range(5)
+    ]
+    responses = tmp_path / "responses.jsonl"
+    responses.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "messages": c}) + "\n" for i, c in enumerate(conversations)
+        )
+    )
+    settings = {"chat_template_kwargs": {}, "max_seq_len": 256, "reasoning": "keep"}
+
+    def shard(name: str, shift: int) -> str:
+        path = tmp_path / name
+        with ShardWriter(path, hidden_size=4, hidden_dtype="float32", attrs={}) as writer:
+            for i, conversation in enumerate(conversations):
+                (sample,) = tokenize_conversation(tokenizer, conversation)
+                mask = ([0] * shift + sample.loss_mask)[: len(sample.loss_mask)]
+                n = len(sample.input_ids)
+                writer.add(f"q{i}", sample.input_ids, mask, torch.zeros(n, 12), torch.zeros(n, 4))
+        return str(path)
+
+    def check(path: str, count: int) -> list[str]:
+        return retokenize_errors(
+            str(responses),
+            [path],
+            model_path=str(tiny_model_dir),
+            tokenize=settings,
+            trust_remote_code=False,
+            count=count,
+        )
+
+    assert check(shard("ok.h5", 0), 5) == []
+    errors = check(shard("shifted.h5", 1), 3)  # a seeded sample of 3 of the 5
+    assert len(errors) == 3
+    assert all("shifted by +1 token(s)" in e and "responses.jsonl:" in e for e in errors)
+    assert check(shard("shifted.h5", 1), 0) == []  # 0 turns it off

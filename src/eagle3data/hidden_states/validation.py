@@ -132,17 +132,18 @@ def retokenize_errors(
     from ..chat import tokenize_conversation
     from ..target import load_tokenizer
 
-    with open(responses_path, encoding="utf-8") as fh:
-        lines = fh.readlines()
-    if not lines or count <= 0:
+    with open(responses_path, "rb") as fh:
+        total = sum(1 for _ in fh)
+    if not total or count <= 0:
         return []
-    chosen = sorted(
-        np.random.default_rng(seed).choice(len(lines), min(count, len(lines)), replace=False)
-    )
+    picked = np.random.default_rng(seed).choice(total, min(count, total), replace=False)
+    chosen = set(picked.tolist())
+    with open(responses_path, encoding="utf-8") as fh:  # streamed: responses can be GBs
+        lines = {n: line for n, line in enumerate(fh) if n in chosen}
     tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
     # sample id -> (where it comes from, what the chat module gives for it)
     expected: dict[str, tuple[str, list[int], list[int]]] = {}
-    for line_no in chosen:
+    for line_no in sorted(lines):
         response = json.loads(lines[line_no])
         samples = tokenize_conversation(
             tokenizer,

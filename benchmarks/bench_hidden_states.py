@@ -53,7 +53,8 @@ from eagle3data.hidden_states.extraction import (  # noqa: E402
 )
 from eagle3data.hidden_states.transformers_capture import HiddenStateExtractor  # noqa: E402
 from eagle3data.shards import ShardWriter, bytes_per_token  # noqa: E402
-from eagle3data.torch_utils import dtype_name, load_causal_lm  # noqa: E402
+from eagle3data.target import load_causal_lm  # noqa: E402
+from eagle3data.torch_utils import dtype_name  # noqa: E402
 
 DEMO_MODEL = REPO / layout.DEMO_MODEL
 
@@ -355,7 +356,9 @@ def main() -> None:
 def run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     model_dir = args.model or demo_model_dir(scratch)
     extractor = HiddenStateExtractor(str(model_dir), dtype=args.dtype, device="cpu")
-    plain, _ = load_causal_lm(model_dir, dtype=args.dtype, device="cpu")  # no hooks
+    plain, _ = load_causal_lm(
+        model_dir, dtype=args.dtype, device="cpu", trust_remote_code=False
+    )  # no hooks
     bare = plain.get_decoder()
     pad = extractor.tokenizer.pad_token_id or 0
     samples = workload(extractor.tokenizer, args.samples, args.min_len, args.max_len)

@@ -30,7 +30,6 @@ import json
 import multiprocessing
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +45,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
+
+# The same dd measurement as the extraction benchmark (this script's folder is on sys.path).
+from bench_hidden_states import dd_write  # noqa: E402
 
 from eagle3data.hidden_states.extraction import extract_into_shard, length_batches  # noqa: E402
 from eagle3data.hidden_states.sglang_capture import SGLangCapture  # noqa: E402
@@ -171,18 +173,6 @@ def capture_into_shard(
             batch_tokens=batch_tokens,
         )
     return time.perf_counter() - start
-
-
-def dd_write(path: Path, mebibytes: int) -> float:
-    start = time.perf_counter()
-    subprocess.run(
-        ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mebibytes}", "conv=fdatasync"],
-        check=True,
-        capture_output=True,
-    )
-    elapsed = time.perf_counter() - start
-    path.unlink()
-    return elapsed
 
 
 def check_shard(path: Path, input_ids: list[list[int]], batch_tokens: int) -> None:

@@ -9,7 +9,9 @@ GPU machine only).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +67,22 @@ def make_workflow(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., Workflo
         return new_workflow(tmp_path, tiny_model_dir, datasets, name, **overrides)
 
     return factory
+
+
+@pytest.fixture
+def in_process_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For tests that call ``jobs.run_step`` in the test process: it sets up a job
+    process (progress-bar environment, root logger, SIGINT/SIGTERM handlers); undo it."""
+    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in signals.items():
+        signal.signal(sig, handler)
+    for handler in root.handlers:
+        if handler not in handlers:
+            handler.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -64,6 +64,16 @@ def architectures(config: Any) -> list[str]:
     return names
 
 
+def eos_token_ids(config: Any) -> set[int]:
+    """Every ``eos_token_id`` the config names (int or list), at the top level and in
+    ``text_config``: a generation config's and a wrapper's may each add their own."""
+    ids: set[int] = set()
+    for level in _levels(config):
+        value = (level or {}).get("eos_token_id")
+        ids.update([value] if isinstance(value, int) else value or [])
+    return ids
+
+
 def declared_dtype(config: Any) -> str:
     """The dtype a checkpoint declares (``dtype`` or the older ``torch_dtype``); float32 if
     it declares none. The top level declares it for the whole checkpoint; a wrapper that

@@ -199,28 +199,21 @@ def test_a_shifted_mask_is_invisible_to_the_agreement_but_not_to_retokenizing(
     responses.write_text(
         "".join(json.dumps({"id": f"q{i}", "messages": m}) + "\n" for i, m in enumerate(greedy))
     )
-    errors = retokenize_errors(
-        str(responses),
-        [str(path)],
-        model_path=str(target["dir"]),
-        tokenize={"chat_template_kwargs": {}, "max_seq_len": 4096, "reasoning": "keep"},
-        trust_remote_code=False,
-        count=len(greedy),
-    )
-    assert len(errors) == len(greedy)
-    assert all("shifted by +1 token(s)" in e and "mask.h5" in e for e in errors)
-    ok = write_shard(tmp_path / "ok.h5", samples, target_states(target))
-    assert (
-        retokenize_errors(
+
+    def retokenized(shard: Path) -> list[str]:
+        return retokenize_errors(
             str(responses),
-            [str(ok)],
+            [str(shard)],
             model_path=str(target["dir"]),
             tokenize={"chat_template_kwargs": {}, "max_seq_len": 4096, "reasoning": "keep"},
             trust_remote_code=False,
             count=len(greedy),
         )
-        == []
-    )
+
+    errors = retokenized(path)
+    assert len(errors) == len(greedy)
+    assert all("shifted by +1 token(s)" in e and "mask.h5" in e for e in errors)
+    assert retokenized(write_shard(tmp_path / "ok.h5", samples, target_states(target))) == []
 
 
 def test_sampled_data_is_judged_by_log_probability(target, greedy, tmp_path):

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import logging
 import pkgutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -18,6 +16,9 @@ import eagle3data
 from eagle3data import errors
 from eagle3data.gpu_slots import GpuRequest
 from eagle3data.jobs import run_step
+
+# run_step configures this process as a job; undone after each test (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("in_process_job")
 
 USER_ERRORS = [
     cls
@@ -95,23 +96,6 @@ def test_gpus_that_cannot_be_had_end_the_job_with_one_line(tmp_path, monkeypatch
     [line] = log.read_text().splitlines()
     assert line.endswith("ERROR this job needs 3 GPU(s) but this machine has 2 "
                          "(from config gpus.count or nvidia-smi -L)")  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """run_step configures the root logger and the signal handlers for a job process;
-    undo both for later tests."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in signals.items():
-        signal.signal(sig, handler)
-    for handler in root.handlers:
-        if handler not in handlers:
-            handler.close()
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 def test_failing_imports_nothing_heavy() -> None:

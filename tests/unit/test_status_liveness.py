@@ -6,9 +6,7 @@ tests/workflow/test_midnight.py)."""
 from __future__ import annotations
 
 import json
-import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -73,24 +71,6 @@ def test_the_heartbeat_keeps_the_run_file_fresh(tmp_path, monkeypatch) -> None:
         os.utime(run_file(journal), (old, old))
         time.sleep(0.5)
         assert run_file(journal).stat().st_mtime > old + 900
-
-
-@pytest.fixture
-def in_process_job(monkeypatch: pytest.MonkeyPatch):
-    """run_step sets up a job process (logging, signal handlers, environment): undo it."""
-    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):
-        monkeypatch.delenv(name, raising=False)
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in signals.items():
-        signal.signal(sig, handler)
-    for handler in root.handlers:
-        if handler not in handlers:
-            handler.close()
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.mark.usefixtures("in_process_job")

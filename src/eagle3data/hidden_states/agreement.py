@@ -174,11 +174,7 @@ def end_of_turn_ids(model_path: str | Path) -> set[int]:
         path = Path(model_path) / name
         if not path.is_file():
             continue
-        config = json.loads(path.read_text())
-        top, text = model_config._levels(config)
-        for level in (top, text or {}):
-            value = level.get("eos_token_id")
-            ids.update([value] if isinstance(value, int) else value or [])
+        ids |= model_config.eos_token_ids(json.loads(path.read_text()))
     return ids
 
 

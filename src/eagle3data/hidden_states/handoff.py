@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..atomic import pid_alive
 from ..errors import SGLangCaptureError
 
 DIR_PREFIX = "eagle3data-capture-"
@@ -51,23 +52,13 @@ def default_root() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
 def remove_stale_dirs(root: Path) -> list[Path]:
     """Remove hand-off directories left by capture jobs that were killed (their pid is
     gone): on a tmpfs they would hold memory until the machine reboots."""
     removed = []
     for path in root.glob(f"{DIR_PREFIX}*"):
         pid = path.name[len(DIR_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)) and path.is_dir():
+        if pid.isdigit() and not pid_alive(int(pid)) and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

@@ -73,8 +73,6 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "handoff_dir": "auto",
     "extra_args": {},
 }
-# Our options that are not ServerArgs fields.
-_OWN_OPTIONS = ("handoff", "handoff_dir")
 
 
 def sglang_layer_ids(aux: AuxLayers, architectures: Sequence[str]) -> list[int]:

@@ -125,6 +125,9 @@ K25_TEXT: dict[str, Any] = {
     },
     "num_nextn_predict_layers": 0,
     "tie_word_embeddings": False,
+    # In every DeepSeek-V3 / K2 config.json; transformers' DeepseekV3Config does not write it,
+    # and SGLang's deepseek_v2 reads it for every layer (found on SGLang's CPU engine).
+    "moe_layer_freq": 1,
 }
 
 # A small MoonViT tower for the wrapper: SGLang builds K2.5's vision tower and projector from
@@ -650,9 +653,14 @@ def check_smoke(samples, states, hidden) -> list[str]:
     return failures
 
 
-def sglang_problem() -> str | None:
+def sglang_problem(device: str = "cuda") -> str | None:
     """Why the SGLang half cannot run here, or None."""
     import torch
+
+    if device == "cpu":
+        from support.sglang_cpu import sglang_problem as cpu_problem
+
+        return cpu_problem()
 
     if importlib.util.find_spec("sglang") is None:
         return f"sglang is not installed (pip install -e '.[gpu]', sglang>={MIN_SGLANG})"
@@ -676,6 +684,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=MODELS,
         default="llama",
         help="target: llama, kimi (plain DeepseekV3 directory), kimi-wrapper (K2.5 layout)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (the GPU check) or cpu: SGLang's CPU engine with the test suite's "
+        "sgl_kernel stand-in (tests/support/sglang_cpu.py), transformers on the CPU; "
+        "no speed check",
     )
     parser.add_argument("--tp", type=int, default=1, help="sglang tensor-parallel size")
     parser.add_argument("--layers", type=int, help="decoder layers (default 8)")
@@ -723,6 +739,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--dummy-weights is a Kimi smoke mode (--model kimi or kimi-wrapper)")
     if args.dummy_weights and args.cpu_dry_run:
         parser.error("--dummy-weights needs SGLang (its dummy loader makes the weights)")
+    if args.device == "cpu":
+        args.speed_rounds = 0  # speed is a GPU criterion: a CPU engine says nothing of it
     return args
 
 
@@ -738,10 +756,15 @@ def resolve_aux(args: argparse.Namespace, architectures: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.device == "cpu":
+        from support.sglang_cpu import use_sglang_cpu
+
+        use_sglang_cpu()  # before sglang is imported: its platform is chosen at import
     if not args.cpu_dry_run:
-        problem = sglang_problem()
+        problem = sglang_problem(args.device)
         if problem:
-            print(f"FAIL: needs a CUDA GPU and sglang>={MIN_SGLANG}: {problem}")
+            needs = "a CUDA GPU and " if args.device == "cuda" else ""
+            print(f"FAIL: needs {needs}sglang>={MIN_SGLANG}: {problem}")
             return 1
     kimi = args.model != "llama"
     wrapper = args.model == "kimi-wrapper"
@@ -811,6 +834,10 @@ def main(argv: list[str] | None = None) -> int:
             source_name = "transformers float32 (CPU dry run)"
         else:
             extra = {"enable_multimodal": False} if wrapper else {}
+            if args.device == "cpu":
+                from support.sglang_cpu import CPU_ENGINE_ARGS
+
+                extra.update(CPU_ENGINE_ARGS)
             if args.dummy_weights:
                 extra["load_format"] = "dummy"
             got, got_layers, engine_kwargs, rates = capture_sglang(
@@ -851,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
                 samples,
                 aux_spec,
                 trust_remote_code=kimi,
-                device="cpu" if args.cpu_dry_run else "cuda",
+                device="cpu" if args.cpu_dry_run else args.device,
             )
             print(f"transformers capture: {time.perf_counter() - t3:.1f}s")
             failures = list(speed_failures)

@@ -407,6 +407,11 @@ _KIMI_MODEL_SIZES: dict[str, Any] = {
     "v_head_dim": 16,
     "max_position_embeddings": 1024,
     "num_nextn_predict_layers": 0,
+    # As in K2.5's config.json (DeepSeek-V3's router keys): transformers' DeepseekV3Config
+    # neither needs nor writes them, SGLang's deepseek_v2 reads them.
+    "moe_layer_freq": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
 }
 
 

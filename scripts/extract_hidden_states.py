@@ -1,14 +1,15 @@
 """Snakemake script: forward pass over one shard's conversations, written as HDF5."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
-
-# Guarded: the sglang backend starts worker processes with the spawn method, which
-# re-imports this file in each of them.
+# Everything is guarded, the path set-up included: the sglang backend starts worker processes
+# with the spawn method, which re-runs this file in each of them as __mp_main__, where
+# Snakemake's `snakemake` object does not exist (a NameError there killed SGLang's scheduler
+# before it started: seen with sglang 0.5.23's CPU engine).
 if __name__ == "__main__":
     import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
 
     from eagle3data.config import model_name
     from eagle3data.gpu_slots import GpuRequest

@@ -129,12 +129,15 @@ def job_gpus(config: Mapping[str, Any], stage: str) -> int:
     section = config[stage]
     backend = section.get("backend", "transformers")
     backend_gpus = None
+    device = str(section.get("device", "auto"))
     if stage == "hidden_states" and backend == "sglang":
-        backend_gpus = int((section.get("sglang") or {}).get("tp_size", 1))
+        # SGLang's CPU engine (device cpu: Xeon AMX servers, the test suite) takes no GPU.
+        on_cpu = device.startswith("cpu")
+        backend_gpus = 0 if on_cpu else int((section.get("sglang") or {}).get("tp_size", 1))
     setting = section.get("gpus_per_job", "auto")
     gpus = resolve_gpus_per_job(
         setting,
-        device=str(section.get("device", "auto")),
+        device=device,
         uses_gpu_backend=backend != "openai",
         backend_gpus=backend_gpus,
         machine_gpus=machine_gpu_count(config) if setting == "auto" else 0,

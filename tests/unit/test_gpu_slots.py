@@ -256,7 +256,9 @@ def test_job_gpus_from_config():
     config["hidden_states"]["gpus_per_job"] = 2
     with pytest.raises(ValueError, match=r"less than hidden_states\.sglang\.tp_size=4"):
         job_gpus(config, "hidden_states")
-    config["hidden_states"].update(backend="transformers", gpus_per_job="auto")
+    config["hidden_states"].update(device="cpu", gpus_per_job="auto")
+    assert job_gpus(config, "hidden_states") == 0  # SGLang's CPU engine
+    config["hidden_states"].update(backend="transformers", device="auto")
     assert job_gpus(config, "hidden_states") == 1
     config["gpus"]["count"] = 0
     assert job_gpus(config, "hidden_states") == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from eagle3data.hidden_states.sglang_capture import (
     sglang_layer_ids,
     shared_rows_hook,
     split_states,
+    start_engine,
 )
 
 HIDDEN = 8
@@ -209,6 +211,23 @@ def test_extra_args_pass_through_but_cannot_undo_the_capture_settings():
             layer_ids=[1, 2, 3],
             options={"extra_args": {"disable_radix_cache": False}},
         )
+
+
+def test_device_cpu_asks_for_sglangs_cpu_engine(monkeypatch):
+    kwargs = engine_kwargs("/m", dtype="bfloat16", layer_ids=[1, 2, 3], options={}, device="cpu")
+    assert kwargs["device"] == "cpu"
+    assert "device" not in engine_kwargs("/m", dtype="bfloat16", layer_ids=[1, 2, 3], options={})
+    # SGLang picks its CPU platform from SGLANG_USE_CPU_ENGINE alone, at import.
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    monkeypatch.setitem(sys.modules, "sglang", SimpleNamespace(Engine=lambda **kw: kw))
+    assert start_engine(kwargs)["device"] == "cpu"
+    assert os.environ["SGLANG_USE_CPU_ENGINE"] == "1"
+
+
+def test_the_shard_script_survives_being_rerun_by_spawned_workers():
+    # SGLang starts its scheduler with the spawn method, which re-runs the job's main file as
+    # __mp_main__, where Snakemake's `snakemake` object does not exist.
+    runpy.run_path(str(REPO / "scripts" / "extract_hidden_states.py"), run_name="__mp_main__")
 
 
 def test_hook_factory_path_resolves_like_sglang_resolves_it():

@@ -76,6 +76,7 @@ def build_extractor(
 
         return SGLangCapture(
             model_path,
+            device=hidden_cfg.get("device", "auto"),
             options=hidden_cfg.get("sglang") or {},
             batch_tokens=hidden_cfg.get("batch_tokens"),
             engine_factory=sglang_engine_factory or start_engine,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -107,9 +108,11 @@ def engine_kwargs(
     options: Mapping[str, Any],
     trust_remote_code: bool = False,
     handoff_dir: str | None = None,
+    device: str = "auto",
 ) -> dict[str, Any]:
     """``sglang.Engine`` arguments (``ServerArgs`` field names) of a capture engine;
-    with ``handoff_dir`` the hook hands rows over through shared memory there."""
+    with ``handoff_dir`` the hook hands rows over through shared memory there;
+    ``device`` other than ``auto`` is SGLang's ``device`` (``cpu``: its CPU engine)."""
     opts = {**DEFAULT_OPTIONS, **options}
     if handoff_dir is None:
         hook = {"hook_factory": HOOK_FACTORY}
@@ -145,6 +148,8 @@ def engine_kwargs(
         # We send token ids and read states; no detokenised text is needed.
         "skip_tokenizer_init": True,
     }
+    if device != "auto":
+        forced["device"] = device.split(":", 1)[0]  # SGLang places ranks itself
     extra = dict(opts.get("extra_args") or {})
     clash = sorted(set(extra) & set(forced))
     if clash:
@@ -254,7 +259,13 @@ def _prefill_block(output: Mapping[str, Any], length: int) -> list[list[float]]:
 
 
 def start_engine(kwargs: Mapping[str, Any]) -> Any:
-    """A real ``sglang.Engine`` (needs the ``gpu`` extra and CUDA GPUs)."""
+    """A real ``sglang.Engine`` (needs the ``gpu`` extra, and CUDA GPUs unless ``device``
+    is ``cpu``)."""
+    if kwargs.get("device") == "cpu":
+        # SGLang chooses its CPU platform from this variable alone (is_cpu()), at import,
+        # in this process and the workers it spawns; device="cpu" without it dies in the
+        # unknown-device path (seen with sglang 0.5.23).
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     try:
         import sglang
     except ImportError as exc:
@@ -278,6 +289,7 @@ class SGLangCapture:
         options: Mapping[str, Any] | None = None,
         trust_remote_code: bool = False,
         batch_tokens: int | None = None,
+        device: str = "auto",
         engine_factory: Callable[[Mapping[str, Any]], Any] = start_engine,
     ) -> None:
         check_remote_code(model_path, trust_remote_code)
@@ -311,6 +323,7 @@ class SGLangCapture:
             options=opts,
             trust_remote_code=trust_remote_code,
             handoff_dir=None if self.reader is None else str(self.reader.directory),
+            device=device,
         )
         log.info(
             "starting sglang capture engine: tp_size=%d ep_size=%d aux layer outputs %s, "

@@ -39,7 +39,17 @@ __version__ = "0.0.0+eagle3data-cpu-stand-in"
 IMPLEMENTED = ("assign_req_to_token_pool_cpu",)
 # Imported by SGLang's modules on the CPU path (found by importing the engine and the HTTP
 # server with SGLANG_USE_CPU_ENGINE=1); none is called on a CPU without AMX.
-NOT_IMPLEMENTED = frozenset({"copy_all_layer_kv_cache_cpu", "build_tree_kernel_efficient_cpu", "verify_tree_greedy_cpu", "assign_draft_cache_locs_contiguous_cpu", "assign_extend_cache_locs_cpu", "fill_accept_out_cache_loc_cpu", "fill_bonus_tokens_cpu", })
+NOT_IMPLEMENTED = frozenset(
+    {
+        "assign_draft_cache_locs_contiguous_cpu",
+        "assign_extend_cache_locs_cpu",
+        "build_tree_kernel_efficient_cpu",
+        "copy_all_layer_kv_cache_cpu",
+        "fill_accept_out_cache_loc_cpu",
+        "fill_bonus_tokens_cpu",
+        "verify_tree_greedy_cpu",
+    }
+)
 
 
 def assign_req_to_token_pool_cpu(
@@ -57,9 +67,7 @@ def assign_req_to_token_pool_cpu(
         req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist(), strict=True
     ):
         count = end - start
-        req_to_token[row, start:end] = out_cache_loc[offset : offset + count].to(
-            req_to_token.dtype
-        )
+        req_to_token[row, start:end] = out_cache_loc[offset : offset + count].to(req_to_token.dtype)
         offset += count
 
 

@@ -230,6 +230,22 @@ def test_the_shard_script_survives_being_rerun_by_spawned_workers():
     runpy.run_path(str(REPO / "scripts" / "extract_hidden_states.py"), run_name="__mp_main__")
 
 
+def test_a_failed_engine_start_leaves_no_context_that_blocks_the_exit(model_dir, tmp_path):
+    zmq = pytest.importorskip("zmq")  # SGLang's messaging; installed with it
+    # What a dead scheduler leaves: a socket holding a message for a peer that never came.
+    context = zmq.Context(2)
+    sender = context.socket(zmq.PUSH)
+    sender.connect(f"ipc://{tmp_path}/never-bound")
+    sender.send(b"to a scheduler that died", zmq.NOBLOCK)
+
+    def dead_scheduler(_kwargs):
+        raise RuntimeError("Rank 0 scheduler died during initialization (exit code: 1)")
+
+    with pytest.raises(RuntimeError, match="scheduler died"):
+        SGLangCapture(str(model_dir), options={"handoff": "lists"}, engine_factory=dead_scheduler)
+    assert context.closed  # else the interpreter's exit waits on it forever
+
+
 def test_hook_factory_path_resolves_like_sglang_resolves_it():
     # sglang's hook_manager.resolve_callable: "module:attr" -> import_module + getattr.
     module_name, attr = HOOK_FACTORY.split(":")

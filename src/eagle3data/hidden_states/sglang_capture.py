@@ -31,9 +31,11 @@ sglang is imported only when an engine is started (the ``gpu`` extra installs it
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -276,6 +278,25 @@ def start_engine(kwargs: Mapping[str, Any]) -> Any:
     return sglang.Engine(**kwargs)
 
 
+def drop_messaging_contexts() -> None:
+    """Close every ZeroMQ context of this process without lingering.
+
+    An ``sglang.Engine`` whose scheduler dies while it starts raises, but leaves its ZeroMQ
+    contexts (``zmq.Context(2)`` in the engine and its tokenizer manager) holding messages for
+    processes that never connected. Their sockets linger forever by default, so the
+    interpreter's exit blocks in ``Context.term()`` and the job hangs instead of failing
+    (seen with sglang 0.5.23: a scheduler that died at import kept the job alive until
+    killed). SGLang keeps no handle to them, hence the search of the heap; only a failed
+    start calls this, when nothing else in the job uses ZeroMQ.
+    """
+    zmq = sys.modules.get("zmq")
+    if zmq is None:
+        return
+    for obj in gc.get_objects():
+        if isinstance(obj, zmq.Context) and not obj.closed:
+            obj.destroy(linger=0)
+
+
 class SGLangCapture:
     """An :class:`~.backends.Extractor` on an ``sglang.Engine``."""
 
@@ -337,6 +358,7 @@ class SGLangCapture:
             self.engine = engine_factory(self.engine_kwargs)
         except BaseException:
             self.close()
+            drop_messaging_contexts()
             raise
 
     def _check_room(self, needed: int, what: str) -> None:

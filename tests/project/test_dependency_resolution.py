@@ -4,11 +4,11 @@ index, with the lock the README installs it with, to the lock's versions (pip's 
 a dry run: nothing is installed).
 
 The resolutions need the index: they skip, saying why, when it cannot be reached (deselect them
-with ``-m "not network"``). They run in a throwaway venv with a newer pip, concurrently: the
-pip 23.2.1 that Python 3.11's venv bundles downloads every wheel to read its metadata where the
-index serves no PEP 658 metadata, and took 82 s + 58 s + 32 s (gpu, test, slurm) on a 2-core
-machine; pip 26.3 took 35 s + 23 s + 17 s. Both resolve to the same versions: the locks pin
-every package.
+with ``-m "not network"``). They run side by side in a throwaway venv with a newer pip: the
+pip 23.2.1 that Python 3.11's venv bundles took 82 s + 58 s + 32 s (gpu, test, slurm, one after
+the other, 2-core machine), pip 26.3 35 s + 23 s + 17 s; the whole module takes about 1 min,
+without this machine's local wheel indexes too (fast-deps: no GBs of CUDA wheels downloaded).
+Both pips resolve to the same versions: the locks pin every package.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ whose context bounds a prompt, so every size here is the text decoder's: the val
 and they differ, nothing guesses (a wrong width or depth would silently shift or
 garble every stored state): :class:`ModelConfigError` says which keys disagree.
 
-Accepts the parsed JSON, a transformers ``PretrainedConfig`` or a namespace. No
-transformers import: planning jobs and the dry run stay cheap.
+This module is the one place that knows that layout (:func:`is_wrapper`,
+:func:`text_decoder_dict`; ``target`` builds the decoder from them). Accepts the parsed JSON,
+a transformers ``PretrainedConfig`` or a namespace. No transformers import: planning jobs and
+the dry run stay cheap.
 """
 
 from __future__ import annotations
@@ -87,6 +89,18 @@ def declared_dtype(config: Any) -> str:
     return "float32"
 
 
+def is_wrapper(config: Any) -> bool:
+    """A multimodal wrapper: the text decoder's config is nested in ``text_config``."""
+    return _levels(config)[1] is not None
+
+
+def text_decoder_dict(config: Any) -> dict[str, Any]:
+    """The text decoder's own config as a plain dict (a copy): a wrapper's ``text_config``,
+    else the whole config."""
+    top, text = _levels(config)
+    return dict(top if text is None else text)
+
+
 def resolve_dtype_name(requested: str, config: Any) -> str:
     """``auto`` means the dtype the checkpoint declares."""
     return declared_dtype(config) if requested == "auto" else requested
@@ -112,15 +126,19 @@ def _text_decoder_value(config: Any, key: str) -> Any:
 
 
 def _levels(config: Any) -> tuple[Mapping[str, Any], Mapping[str, Any] | None]:
-    top = _as_mapping(config)
+    """(top level, ``text_config`` or None): the one reading of a wrapper's layout."""
+    top = _as_mapping(config, "model config")
     text = top.get("text_config")
-    return top, None if text is None else _as_mapping(text)
+    return top, None if text is None else _as_mapping(text, "model config's text_config")
 
 
-def _as_mapping(config: Any) -> Mapping[str, Any]:
+def _as_mapping(config: Any, what: str) -> Mapping[str, Any]:
     if isinstance(config, Mapping):
         return config
     to_dict = getattr(config, "to_dict", None)
     if callable(to_dict):  # a transformers config: plain values, dtype as its name
         return to_dict()  # type: ignore[no-any-return]
-    return vars(config)  # a namespace
+    try:
+        return vars(config)  # a namespace
+    except TypeError:
+        raise ModelConfigError(f"{what} is a {type(config).__name__}, not an object") from None

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ModelConfigError
-from .model_config import read_model_config
+from .model_config import is_wrapper, read_model_config, text_decoder_dict
 
 TRUST_KEY = "model.trust_remote_code"
 
@@ -78,11 +78,6 @@ def load_tokenizer(model_path: str | Path, *, trust_remote_code: bool) -> Any:
     )
 
 
-def is_wrapper(config: dict[str, Any]) -> bool:
-    """A multimodal wrapper: the text decoder's config is nested in ``text_config``."""
-    return isinstance(config.get("text_config"), dict)
-
-
 def text_decoder_config(model_path: str | Path, *, trust_remote_code: bool) -> Any:
     """The transformers config of the text decoder (a wrapper's ``text_config``)."""
     from transformers import CONFIG_MAPPING, AutoConfig
@@ -93,7 +88,7 @@ def text_decoder_config(model_path: str | Path, *, trust_remote_code: bool) -> A
         return AutoConfig.from_pretrained(
             model_path, local_files_only=True, trust_remote_code=trust_remote_code
         )
-    text = dict(raw["text_config"])
+    text = text_decoder_dict(raw)
     model_type = text.pop("model_type", None)
     # Kimi-K2.5's own files name its DeepSeek-V3 decoder "kimi_k2" (transformers maps it).
     model_type = "deepseek_v3" if model_type == "kimi_k2" else model_type
@@ -124,10 +119,11 @@ def load_causal_lm(
     from .torch_utils import resolve_device, resolve_dtype
 
     config = text_decoder_config(model_path, trust_remote_code=trust_remote_code)
-    wrapper = is_wrapper(read_model_config(model_path))
+    raw = read_model_config(model_path)
+    wrapper = is_wrapper(raw)
     kwargs: dict[str, Any] = {
         "config": config,
-        "dtype": resolve_dtype(dtype, read_model_config(model_path)),
+        "dtype": resolve_dtype(dtype, raw),
         "local_files_only": True,
         "trust_remote_code": trust_remote_code,
         "output_loading_info": True,

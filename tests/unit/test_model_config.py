@@ -15,7 +15,9 @@ from eagle3data.model_config import (
     context_length,
     declared_dtype,
     hidden_size,
+    is_wrapper,
     num_hidden_layers,
+    text_decoder_dict,
     vocab_size,
 )
 
@@ -97,3 +99,25 @@ def test_declared_dtype_reads_either_key_and_vlm_wrappers() -> None:
     assert declared_dtype({"text_config": {"torch_dtype": "bfloat16"}}) == "bfloat16"
     assert declared_dtype({}) == "float32"
     assert declared_dtype(LlamaConfig(dtype="bfloat16")) == "bfloat16"
+
+
+def test_a_wrapper_is_a_config_with_a_text_config() -> None:
+    assert is_wrapper(KIMI_LIKE)
+    assert is_wrapper(LlavaConfig(text_config=LlamaConfig(num_hidden_layers=24).to_dict()))
+    assert is_wrapper(SimpleNamespace(text_config=SimpleNamespace(hidden_size=8)))
+    assert not is_wrapper({"hidden_size": 8})
+    assert not is_wrapper({"hidden_size": 8, "text_config": None})
+    assert not is_wrapper(LlamaConfig())
+
+
+def test_text_decoder_dict_is_a_copy_of_the_decoders_own_level() -> None:
+    text = text_decoder_dict(KIMI_LIKE)
+    assert text == KIMI_LIKE["text_config"]
+    text["hidden_size"] = 1
+    assert KIMI_LIKE["text_config"]["hidden_size"] == 7168
+    assert text_decoder_dict({"hidden_size": 8}) == {"hidden_size": 8}
+
+
+def test_a_text_config_that_is_no_object_is_an_error() -> None:
+    with pytest.raises(ModelConfigError, match="text_config is a str, not an object"):
+        is_wrapper({"text_config": "llama"})

@@ -1,10 +1,15 @@
 """A fake OpenAI-compatible chat server for fault-injection tests and benchmarks.
 
-It speaks the two endpoints the HTTP generation backend uses, the way SGLang, vLLM
-and llama.cpp do (non-streaming only):
+It speaks the two endpoints the HTTP generation backend uses, non-streaming, in the
+shapes SGLang 0.5.23 sends (the keys, types and nesting of ``tests/data/sglang/``, what
+the real server answered; ``tests/unit/test_fake_openai.py`` holds the fake to them):
 
-* ``POST {base}/chat/completions`` -> a ``chat.completion`` object with ``usage``;
+* ``POST {base}/chat/completions`` -> a ``chat.completion`` object with ``usage``
+  (``reasoning_tokens`` and ``completion_tokens_details`` included), each choice with
+  ``matched_stop`` and ``logprobs``, a top-level ``metadata``;
 * ``GET {base}/models`` -> ``{"object": "list", "data": [{"id": model, ...}]}``;
+* errors as SGLang's flat ``{"object": "error", "message", "type", "param", "code"}``
+  (``error_style="openai"``: OpenAI's, vLLM's and llama.cpp's ``{"error": {...}}``);
 
 plus ``GET /stats`` (counters as JSON) and ``POST /stats/reset`` for benchmarks.
 ``base`` is ``http://127.0.0.1:PORT/v1``. The server only ever binds 127.0.0.1.
@@ -17,12 +22,24 @@ Deterministic completions
     ``"Answer to: <last user message>"`` until it has ``n`` words. With
     ``reasoning=True`` the first ``min(reasoning_tokens, n)`` tokens go to
     ``reasoning_content`` (words of ``"Thinking about: <last user message>"``) and
-    the rest to ``content`` (``None`` when nothing is left), and
-    ``completion_tokens`` counts both, like vLLM and SGLang do. ``max_tokens`` (or
+    the rest to ``content`` (``""`` when nothing is left, as SGLang sends it), and
+    ``completion_tokens`` counts both, like vLLM and SGLang do; without reasoning,
+    ``reasoning_content`` is null. ``max_tokens`` (or
     ``max_completion_tokens``) caps ``n``; a capped reply has
     ``finish_reason == "length"``, otherwise ``"stop"``. ``prompt_tokens`` is the
     number of words in all message contents plus one per message. Sampling
     parameters (temperature, seed, ...) are accepted and ignored.
+
+Tool calls
+    With ``call_tools=True`` a request that offers ``tools`` (and no ``tool_choice:
+    "none"``) and ends with a user message is answered the way SGLang's tool-call parser
+    answers: ``content: ""``, ``tool_calls`` with one call (``id`` ``call_<hex>``,
+    ``index``, ``type``, ``function`` with ``arguments`` a JSON string) of the named or
+    first tool, ``finish_reason: "tool_calls"``; a call cut by ``max_tokens`` is dropped
+    (``finish_reason: "length"``, no calls). Requests whose history does not pair tool
+    results with calls are refused the way SGLang 0.5.23 refuses them (400): every call of
+    an assistant turn answered by exactly one following tool message with its id
+    (``check_tool_pairing``).
 
 Fault injection
     ``faults(body, attempt) -> Fault | None`` is called for every well-formed chat
@@ -80,6 +97,8 @@ from aiohttp import web
 
 HOST = "127.0.0.1"
 DEFAULT_MODEL = "fake-model"
+EOS_TOKEN_ID = 2  # ``matched_stop`` of a reply that ended on its own (an int, as SGLang's)
+UNBOUNDED_CONTEXT = 1 << 20  # ``max_model_len`` reported without a ``max_model_len``
 
 # ---------------------------------------------------------------------------
 # Faults
@@ -87,22 +106,21 @@ DEFAULT_MODEL = "fake-model"
 
 
 def _default_error_type(code: int) -> str:
-    if code == 429:
-        return "rate_limit_error"
-    if code >= 500:
-        return "server_error"
-    return "invalid_request_error"
+    """SGLang's: ``BadRequestError`` for its own 400s, the status as a string for the
+    rest (its HTTPException handler)."""
+    return "BadRequestError" if code == 400 else str(code)
 
 
 @dataclass(frozen=True)
 class Status:
-    """Answer with HTTP ``code`` and ``{"error": {"message", "type", "code"}}``.
+    """Answer with HTTP ``code`` and an error body: SGLang's ``{"object": "error",
+    "message", "type", "param", "code"}`` (or, with the server's ``error_style="openai"``,
+    ``{"error": {"message", "type", "param", "code"}}``).
 
-    ``type`` defaults from the status (``invalid_request_error`` for 4xx,
-    ``rate_limit_error`` for 429, ``server_error`` for 5xx), ``error_code``
-    defaults to the status number. ``retry_after`` adds a ``Retry-After`` header
-    (seconds). ``raw_body`` replaces the JSON body verbatim (e.g. an HTML page
-    from a proxy).
+    ``type`` defaults from the status as SGLang sends it (``BadRequestError`` for 400,
+    else the status as a string), ``error_code`` defaults to the status number.
+    ``retry_after`` adds a ``Retry-After`` header (seconds). ``raw_body`` replaces the
+    JSON body verbatim (e.g. an HTML page from a proxy).
     """
 
     code: int = 500
@@ -118,7 +136,12 @@ class Status:
 
     @classmethod
     def overloaded(cls, retry_after: float | None = None) -> Status:
-        return cls(503, "Service unavailable: the engine is overloaded", retry_after=retry_after)
+        # What SGLang 0.5.23 answers when decode memory runs out (scheduler retraction).
+        return cls(
+            503,
+            "Retracted under decode memory pressure without a KV backup. Retry later.",
+            retry_after=retry_after,
+        )
 
     @classmethod
     def rate_limited(cls, retry_after: float | None = 1.0) -> Status:
@@ -134,20 +157,32 @@ class Status:
         return cls(408, "Request timed out")
 
     @classmethod
-    def context_length_exceeded(cls, limit: int = 4096, requested: int = 5000) -> Status:
-        return cls(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you "
-            f"requested {requested} tokens. Please reduce the length of the messages "
-            "or completion.",
-            error_code="context_length_exceeded",
-        )
+    def context_length_exceeded(
+        cls, limit: int = 4096, requested: int = 5000, max_tokens: int | None = None
+    ) -> Status:
+        """SGLang's 400 for a prompt longer than the context (``max_tokens`` None) or one
+        that fits but not with ``max_tokens`` more."""
+        if max_tokens is None:
+            message = (
+                f"The input ({requested} tokens) is longer than the model's context "
+                f"length ({limit} tokens)."
+            )
+        else:
+            message = (
+                "Requested token count exceeds the model's maximum context length of "
+                f"{limit} tokens. You requested a total of {requested} tokens: "
+                f"{requested - max_tokens} tokens from the input messages and {max_tokens} "
+                "tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit."
+            )
+        return cls(400, message)
 
-    def error_body(self) -> dict[str, Any]:
+    def error_body(self, style: str = "sglang") -> dict[str, Any]:
         return _error_body(
             self.message,
             self.type or _default_error_type(self.code),
             self.error_code if self.error_code is not None else self.code,
+            style,
         )
 
 
@@ -302,17 +337,70 @@ def reasoning_for(text: str, n: int) -> str:
     return _words("Thinking about: ", text, n)
 
 
+def _tool_call(function: Mapping[str, Any], text: str, messages: Sequence[Any]) -> dict[str, Any]:
+    """A call of ``function`` as SGLang's parsers return it: each required parameter gets
+    the last user text; the id is SGLang's form (its hex is random there, hashed here)."""
+    parameters = function.get("parameters") or {}
+    required = parameters.get("required") if isinstance(parameters, dict) else None
+    arguments = {str(key): text for key in required or []}
+    return {
+        "id": f"call_{_hash_int(messages, 'call'):016x}{_hash_int(messages, 'id'):016x}"[:29],
+        "index": 0,
+        "type": "function",
+        "function": {"name": function.get("name"), "arguments": json.dumps(arguments)},
+    }
+
+
+def tool_pairing_error(messages: Sequence[Any]) -> str | None:
+    """Why SGLang 0.5.23 refuses this history, or None: every call of an assistant turn
+    must be answered by exactly one following tool message with its ``tool_call_id``
+    (``_tool_call_pairing_error`` in ``entrypoints/openai/serving_chat.py``, same
+    messages)."""
+    pending: set[str] | None = None
+    unpaired_ids = False
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        if message.get("role") == "tool":
+            if unpaired_ids:
+                continue
+            if pending is None:
+                return "A tool message must follow an assistant message with tool_calls."
+            if message.get("tool_call_id") not in pending:
+                return (
+                    f"tool_call_id {message.get('tool_call_id')!r} does not match an "
+                    "unanswered tool call."
+                )
+            pending.discard(message["tool_call_id"])
+            continue
+        if pending:
+            return f"Tool calls {sorted(pending)} have no tool message answering them."
+        pending, unpaired_ids = None, False
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and calls:
+            ids = [c.get("id") if isinstance(c, dict) else None for c in calls]
+            unpaired_ids = None in ids
+            pending = None if unpaired_ids else set(ids)
+    last = messages[-1] if messages else None
+    if pending and isinstance(last, dict) and last.get("role") == "tool":
+        return f"Tool calls {sorted(pending)} have no tool message answering them."
+    return None
+
+
 # ---------------------------------------------------------------------------
 # The server
 # ---------------------------------------------------------------------------
 
 
-def _error_body(message: str, type_: str, code: str | int | None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+ERROR_STYLES = ("sglang", "openai")
 
 
-def _error(status: int, message: str, type_: str, code: str | int | None) -> web.Response:
-    return web.json_response(_error_body(message, type_, code), status=status)
+def _error_body(
+    message: str, type_: str, code: str | int | None, style: str = "sglang"
+) -> dict[str, Any]:
+    if style == "openai":
+        return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return {"object": "error", "message": message, "type": type_, "param": None, "code": code}
 
 
 _STAT_KEYS = (
@@ -341,7 +429,8 @@ class FakeOpenAI:
         model: the model id served (``/models``); requests may name any model
             unless ``strict_model`` (then a 404 ``model_not_found``).
         api_key: if set, requests must send ``Authorization: Bearer <api_key>``
-            (otherwise 401 ``invalid_api_key``); ``/stats`` is never protected.
+            (otherwise 401 ``{"error": "Unauthorized"}``, SGLang's body); ``/stats``
+            is never protected.
         mean_tokens, token_spread: default completion length ``mean ± spread``
             (spread defaults to ``mean_tokens // 4``), before ``max_tokens``.
         tokens_fn: ``messages -> int`` overriding the default completion length.
@@ -351,7 +440,12 @@ class FakeOpenAI:
         tokens_per_s: generation speed per slot (None or 0: instant).
         base_latency_s: extra time a request holds its slot (prefill).
         max_model_len: if set, ``prompt_tokens + max_tokens`` above it is a 400
-            ``context_length_exceeded``; ``max_tokens`` defaults to what is left.
+            (SGLang's context-length errors); ``max_tokens`` defaults to what is left.
+            ``/models`` reports it (else :data:`UNBOUNDED_CONTEXT`).
+        call_tools: answer requests that offer tools with a tool call (module doc).
+        check_tool_pairing: refuse (400) a history whose tool results do not answer
+            the calls before them, as SGLang does.
+        error_style: ``"sglang"`` (flat error bodies) or ``"openai"`` (nested).
     """
 
     def __init__(
@@ -370,9 +464,14 @@ class FakeOpenAI:
         base_latency_s: float = 0.0,
         max_model_len: int | None = None,
         strict_model: bool = False,
+        call_tools: bool = False,
+        check_tool_pairing: bool = True,
+        error_style: str = "sglang",
     ) -> None:
         if slots is not None and slots < 1:
             raise ValueError("slots must be >= 1 or None")
+        if error_style not in ERROR_STYLES:
+            raise ValueError(f"error_style must be one of {ERROR_STYLES}")
         self.model = model
         self.api_key = api_key
         self.mean_tokens = mean_tokens
@@ -386,6 +485,9 @@ class FakeOpenAI:
         self.base_latency_s = base_latency_s
         self.max_model_len = max_model_len
         self.strict_model = strict_model
+        self.call_tools = call_tools
+        self.check_tool_pairing = check_tool_pairing
+        self.error_style = error_style
 
         self._lock = threading.Lock()
         self._requests: list[dict[str, Any]] = []
@@ -504,20 +606,21 @@ class FakeOpenAI:
             return None
         if request.headers.get("Authorization", "") == f"Bearer {self.api_key}":
             return None
-        return _error(
-            401,
-            "Incorrect API key provided.",
-            "invalid_request_error",
-            "invalid_api_key",
-        )
+        return web.json_response({"error": "Unauthorized"}, status=401)  # SGLang's body
 
     async def _models(self, request: web.Request) -> web.Response:
         denied = self._unauthorized(request)
         if denied is not None:
             return denied
-        model = {"id": self.model, "object": "model", "created": 0, "owned_by": "fake"}
-        if self.max_model_len is not None:
-            model["max_model_len"] = self.max_model_len
+        model = {
+            "id": self.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "fake",
+            "root": self.model,
+            "parent": None,
+            "max_model_len": self.max_model_len or UNBOUNDED_CONTEXT,
+        }
         return web.json_response({"object": "list", "data": [model]})
 
     async def _get_stats(self, request: web.Request) -> web.Response:
@@ -549,18 +652,20 @@ class FakeOpenAI:
         try:
             body = await request.json()
         except ValueError as exc:
-            return _error(400, f"Invalid JSON body: {exc}", "invalid_request_error", 400)
+            return self._error(400, f"Invalid JSON body: {exc}", "Bad Request", 400)
         if not isinstance(body, dict):
-            return _error(400, "The body must be a JSON object", "invalid_request_error", 400)
+            return self._error(400, "The body must be a JSON object", "Bad Request", 400)
         with self._lock:
             self._requests.append(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            return _error(400, "'messages' must be a non-empty list", "invalid_request_error", 400)
+            return self._error(400, "'messages' must be a non-empty list", "Bad Request", 400)
         if not all(isinstance(m, dict) and "role" in m for m in messages):
-            return _error(400, "each message needs a 'role'", "invalid_request_error", 400)
+            return self._error(400, "each message needs a 'role'", "Bad Request", 400)
         if body.get("stream"):
-            return _error(400, "the fake does not stream", "invalid_request_error", 400)
+            return self._error(400, "the fake does not stream", "BadRequestError", 400)
+        if self.check_tool_pairing and (problem := tool_pairing_error(messages)):
+            return self._error(400, problem, "BadRequestError", 400)
         with self._lock:
             key = conversation_key(messages)
             attempt = self._attempts.get(key, 0) + 1
@@ -582,8 +687,10 @@ class FakeOpenAI:
             return await self._drop(request, fault)
         return await self._complete(body, messages, usage=not isinstance(fault, NoUsage))
 
-    @staticmethod
-    def _status_response(fault: Status) -> web.Response:
+    def _error(self, status: int, message: str, type_: str, code: str | int | None) -> web.Response:
+        return web.json_response(_error_body(message, type_, code, self.error_style), status=status)
+
+    def _status_response(self, fault: Status) -> web.Response:
         headers = {}
         if fault.retry_after is not None:
             value = fault.retry_after
@@ -592,7 +699,9 @@ class FakeOpenAI:
             return web.Response(
                 text=fault.raw_body, status=fault.code, headers=headers, content_type="text/html"
             )
-        return web.json_response(fault.error_body(), status=fault.code, headers=headers)
+        return web.json_response(
+            fault.error_body(self.error_style), status=fault.code, headers=headers
+        )
 
     async def _drop(self, request: web.Request, fault: Drop) -> web.StreamResponse:
         self._dropping.add(id(request))
@@ -615,19 +724,23 @@ class FakeOpenAI:
     ) -> web.Response:
         model = body.get("model") or self.model
         if self.strict_model and model != self.model:
-            return _error(404, f"The model `{model}` does not exist.", "invalid_request_error", 404)
+            return self._error(404, f"The model `{model}` does not exist.", "404", 404)
         prompt_tokens = prompt_tokens_of(messages)
         limit = body.get("max_completion_tokens")
         if limit is None:
             limit = body.get("max_tokens")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
-            return _error(400, "max_tokens must be an integer", "invalid_request_error", 400)
+            return self._error(400, "max_tokens must be an integer", "BadRequestError", 400)
         if limit is not None and limit < 1:
-            return _error(400, "max_tokens must be at least 1", "invalid_request_error", 400)
+            return self._error(400, "max_tokens must be at least 1", "BadRequestError", 400)
         if self.max_model_len is not None:
-            wanted = prompt_tokens + (limit or 0)
-            if wanted > self.max_model_len or prompt_tokens >= self.max_model_len:
-                fault = Status.context_length_exceeded(self.max_model_len, wanted)
+            if prompt_tokens >= self.max_model_len:
+                fault = Status.context_length_exceeded(self.max_model_len, prompt_tokens)
+                return self._status_response(fault)
+            if limit is not None and prompt_tokens + limit > self.max_model_len:
+                fault = Status.context_length_exceeded(
+                    self.max_model_len, prompt_tokens + limit, limit
+                )
                 return self._status_response(fault)
             if limit is None:
                 limit = self.max_model_len - prompt_tokens
@@ -640,32 +753,76 @@ class FakeOpenAI:
         await self._hold_slot(n)
 
         text = last_user_text(messages)
+        n_reasoning = min(self.reasoning_tokens, n) if self.reasoning else 0
         message: dict[str, Any] = {"role": "assistant"}
-        if self.reasoning:
-            n_reasoning = min(self.reasoning_tokens, n)
-            message["content"] = answer_for(text, n - n_reasoning) if n > n_reasoning else None
+        tool = self._tool_to_call(body, messages)
+        if tool is not None:
+            # SGLang drops a call cut by max_tokens: nothing but the finish reason is left.
+            message["content"] = ""
+            message["reasoning_content"] = None
+            if finish_reason == "stop":
+                message["tool_calls"] = [_tool_call(tool, text, messages)]
+                finish_reason = "tool_calls"
+            n_reasoning = 0
+        elif self.reasoning:
+            message["content"] = answer_for(text, n - n_reasoning) if n > n_reasoning else ""
             message["reasoning_content"] = reasoning_for(text, n_reasoning)
         else:
             message["content"] = answer_for(text, n)
+            message["reasoning_content"] = None
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            # SGLang: the end token's id when it stopped on it, a stop string when one matched.
+            "matched_stop": EOS_TOKEN_ID if finish_reason == "stop" else None,
+        }
         reply: dict[str, Any] = {
             "id": f"chatcmpl-{next(self._ids)}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+            "choices": [choice],
         }
         if usage:
             reply["usage"] = {
                 "prompt_tokens": prompt_tokens,
-                "completion_tokens": n,
                 "total_tokens": prompt_tokens + n,
+                "completion_tokens": n,
+                "prompt_tokens_details": None,
+                "reasoning_tokens": n_reasoning,
+                "completion_tokens_details": (
+                    {"reasoning_tokens": n_reasoning} if n_reasoning else None
+                ),
             }
+        reply["metadata"] = {
+            "weight_version": "default",
+            "weight_versions": [{"version": "default", "start": 0, "end": n}],
+        }
         with self._lock:
             self._completed[conversation_key(messages)] += 1
             self._stats["completed"] += 1
             self._stats["completion_tokens"] += n
             self._stats["prompt_tokens"] += prompt_tokens
         return web.json_response(reply)
+
+    def _tool_to_call(
+        self, body: dict[str, Any], messages: list[dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        """The tool spec this request is answered with a call of, if any."""
+        tools = body.get("tools")
+        choice = body.get("tool_choice")
+        if not self.call_tools or not isinstance(tools, list) or not tools or choice == "none":
+            return None
+        if messages[-1].get("role") != "user" and choice != "required":
+            return None  # after tool results: answer
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        for tool in tools:
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(function, dict) and (name is None or function.get("name") == name):
+                return function
+        return None
 
     async def _hold_slot(self, n_tokens: int) -> None:
         """Wait for a slot (FIFO) and hold it for the simulated generation time."""
@@ -801,6 +958,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-tokens", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--strict-model", action="store_true")
+    p.add_argument("--call-tools", action="store_true", help="answer offered tools with a call")
+    p.add_argument("--error-style", choices=ERROR_STYLES, default="sglang")
     p.add_argument("--fault-rate", type=float, default=0.0, help="fraction of conversations")
     p.add_argument("--fault", choices=sorted(_CLI_FAULTS), default="503")
     p.add_argument("--fault-attempts", type=int, default=1, help="faulted attempts each")
@@ -839,6 +998,8 @@ async def _serve(args: argparse.Namespace) -> None:
         base_latency_s=args.base_latency_s,
         max_model_len=args.max_model_len,
         strict_model=args.strict_model,
+        call_tools=args.call_tools,
+        error_style=args.error_style,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

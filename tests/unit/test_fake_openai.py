@@ -19,6 +19,8 @@ from typing import Any
 import aiohttp
 import pytest
 from support.fake_openai import (
+    EOS_TOKEN_ID,
+    UNBOUNDED_CONTEXT,
     Delay,
     Drop,
     FakeOpenAIServer,
@@ -28,6 +30,7 @@ from support.fake_openai import (
     Status,
     hashed_faults,
 )
+from support.sglang_server import json_shape, load_recorded
 from support.workflow import REPO
 
 FAKE = REPO / "tests" / "support" / "fake_openai.py"
@@ -73,7 +76,17 @@ def test_deterministic_replies_and_usage() -> None:
     with FakeOpenAIServer(mean_tokens=40) as server:
         assert get_json(server.url + "/models") == {
             "object": "list",
-            "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": "fake"}],
+            "data": [
+                {
+                    "id": "fake-model",
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "fake",
+                    "root": "fake-model",
+                    "parent": None,
+                    "max_model_len": UNBOUNDED_CONTEXT,
+                }
+            ],
         }
         replies = []
         for text in ("What is 2 plus 2?", "What is 2 plus 2?", "Name a colour."):
@@ -93,8 +106,9 @@ def test_deterministic_replies_and_usage() -> None:
         choice = first["choices"][0]
         assert choice["index"] == 0
         assert choice["finish_reason"] == "stop"
+        assert choice["matched_stop"] == EOS_TOKEN_ID and choice["logprobs"] is None
         assert choice["message"]["role"] == "assistant"
-        assert "reasoning_content" not in choice["message"]
+        assert choice["message"]["reasoning_content"] is None
         content = choice["message"]["content"]
         assert content.startswith("Answer to: What is 2 plus 2? Answer to:")
         usage = first["usage"]
@@ -102,6 +116,7 @@ def test_deterministic_replies_and_usage() -> None:
         assert 30 <= usage["completion_tokens"] <= 50  # 40 ± 40 // 4
         assert usage["prompt_tokens"] == 5 + 1
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["reasoning_tokens"] == 0 and usage["completion_tokens_details"] is None
         assert usage["completion_tokens"] == server.completion_tokens_for(
             chat("What is 2 plus 2?")["messages"]
         )
@@ -124,7 +139,7 @@ def test_max_tokens_caps_with_finish_reason_length() -> None:
         assert reply["choices"][0]["finish_reason"] == "stop"
         assert reply["usage"]["completion_tokens"] == 40
         status, _, raw = post(server.url, chat("Hello there", max_tokens=0))
-        assert status == 400 and "error" in json.loads(raw)
+        assert status == 400 and json.loads(raw)["object"] == "error"
 
 
 def test_reasoning_content_counts_in_completion_tokens() -> None:
@@ -133,7 +148,9 @@ def test_reasoning_content_counts_in_completion_tokens() -> None:
         assert message["reasoning_content"] == "Thinking about: Why? Thinking"
         assert message["content"] == "Answer to: Why? Answer to: Why?"
         capped = json.loads(post(server.url, chat("Why?", max_tokens=3))[2])
-        assert capped["choices"][0]["message"]["content"] is None
+        assert capped["choices"][0]["message"]["content"] == ""  # SGLang: never null
+        assert capped["usage"]["reasoning_tokens"] == 3
+        assert capped["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
         assert capped["choices"][0]["message"]["reasoning_content"] == "Thinking about: Why?"
         assert capped["choices"][0]["finish_reason"] == "length"
 
@@ -143,7 +160,7 @@ def test_api_key_required_when_configured() -> None:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             status, _, raw = post(server.url, chat("hi"), headers=headers)
             assert status == 401
-            assert json.loads(raw)["error"]["code"] == "invalid_api_key"
+            assert json.loads(raw) == {"error": "Unauthorized"}
         status, _, _ = post(server.url, chat("hi"), headers={"Authorization": "Bearer sekret"})
         assert status == 200
         with pytest.raises(urllib.error.HTTPError) as info:
@@ -153,7 +170,7 @@ def test_api_key_required_when_configured() -> None:
         assert get_json(server.url + "/models", {"Authorization": "Bearer sekret"})["data"]
 
 
-def test_status_faults_have_openai_error_bodies() -> None:
+def test_status_faults_have_sglang_error_bodies() -> None:
     plan = FaultPlan(
         {
             "a": [Status.server_error()],
@@ -169,12 +186,18 @@ def test_status_faults_have_openai_error_bodies() -> None:
         assert {text: s[0] for text, s in seen.items()} == dict(
             a=500, b=503, c=429, d=408, e=400, f=502
         )
-        error = json.loads(seen["e"][2])["error"]
-        assert error["type"] == "invalid_request_error"
-        assert error["code"] == "context_length_exceeded"
-        assert "maximum context length is 4096 tokens" in error["message"]
-        assert json.loads(seen["a"][2])["error"]["type"] == "server_error"
-        assert json.loads(seen["c"][2])["error"]["code"] == "rate_limit_exceeded"
+        error = json.loads(seen["e"][2])
+        assert error == {
+            "object": "error",
+            "message": "The input (5000 tokens) is longer than the model's context length "
+            "(4096 tokens).",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+        assert json.loads(seen["a"][2])["type"] == "500"
+        assert json.loads(seen["b"][2])["code"] == 503
+        assert json.loads(seen["c"][2])["code"] == "rate_limit_exceeded"
         assert seen["c"][1]["Retry-After"] == "2"
         assert seen["f"][2] == b"<html>Bad Gateway</html>"
         assert server.stats["errors"] == 6
@@ -186,7 +209,10 @@ def test_real_context_length_check() -> None:
     with FakeOpenAIServer(max_model_len=20, tokens_fn=lambda m: 50) as server:
         status, _, raw = post(server.url, chat("one two three", max_tokens=30))
         assert status == 400
-        assert json.loads(raw)["error"]["code"] == "context_length_exceeded"
+        assert json.loads(raw)["message"].startswith(
+            "Requested token count exceeds the model's maximum context length of 20 tokens. "
+            "You requested a total of 34 tokens: 4 tokens from the input messages and 30 "
+        )
         reply = json.loads(post(server.url, chat("one two three"))[2])
         assert reply["usage"]["completion_tokens"] == 20 - 4
         assert reply["choices"][0]["finish_reason"] == "length"
@@ -381,3 +407,145 @@ def _raise_own_fd_limit(wanted: int) -> None:
         if hard != resource.RLIM_INFINITY and hard < wanted:
             pytest.skip(f"open-file limit {hard} too low for 1000 connections")
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+# --------------------------------------------------------------------------- SGLang's shapes
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+# Recordings the fake has no counterpart of: stop strings (the fake has none), and the
+# token ids of return_token_ids (another feature).
+NOT_FAKED = {"chat_stop_string", "chat_token_ids", "chat_history"}
+
+
+def fake_counterparts() -> dict[str, tuple[int, Any]]:
+    """name -> (status, body) of the fake's answer to each recorded situation."""
+    long_prompt = " ".join(["capital"] * 40)
+    answers: dict[str, tuple[int, Any]] = {}
+    with FakeOpenAIServer(reasoning=True, reasoning_tokens=8, tokens_fn=lambda m: 20) as server:
+        answers["chat_thinking"] = reply_of(post(server.url, chat("Why?", max_tokens=8)))
+    with FakeOpenAIServer(tokens_fn=lambda m: 20, call_tools=True, max_model_len=32) as server:
+        answers["models"] = (200, get_json(server.url + "/models"))
+        answers["chat_no_thinking"] = reply_of(post(server.url, chat("Why?", max_tokens=8)))
+        answers["chat_stop_eos"] = reply_of(post(server.url, chat("Why?", max_tokens=30)))
+        called = chat("Weather?", max_tokens=30, tools=[WEATHER], tool_choice="required")
+        answers["chat_tool_call"] = reply_of(post(server.url, called))
+        answers["error_context_too_long"] = reply_of(post(server.url, chat(long_prompt)))
+        too_many = chat("Why?", max_tokens=31)  # 2 prompt tokens + 31 > 32
+        answers["error_context_with_max_tokens"] = reply_of(post(server.url, too_many))
+        malformed = {"model": "fake-model", "messages": "hi", "max_tokens": 4}
+        answers["error_malformed"] = reply_of(post(server.url, malformed))
+    return answers
+
+
+def reply_of(answer: tuple[int, dict[str, str], bytes]) -> tuple[int, Any]:
+    return answer[0], json.loads(answer[2])
+
+
+def test_the_fake_answers_in_the_shapes_sglang_sent() -> None:
+    """Keys, types and nesting of every answer equal what real SGLang sent in the same
+    situation (tests/data/sglang/, recorded by tests/sglang/test_generate_server.py)."""
+    recorded = load_recorded()
+    fake = fake_counterparts()
+    assert recorded.keys() == fake.keys() | NOT_FAKED
+    for name, (status, body) in fake.items():
+        assert status == recorded[name]["status"], name
+        assert json_shape(body) == json_shape(recorded[name]["response"]), name
+        if name.startswith("chat_"):
+            real = recorded[name]["response"]["choices"][0]
+            assert body["choices"][0]["finish_reason"] == real["finish_reason"], name
+
+
+def test_tool_calls_as_sglang_returns_them() -> None:
+    with FakeOpenAIServer(call_tools=True, tokens_fn=lambda m: 12) as server:
+        reply = json.loads(post(server.url, chat("Paris", tools=[WEATHER]))[2])
+        choice = reply["choices"][0]
+        [call] = choice["message"]["tool_calls"]
+        assert (choice["finish_reason"], choice["matched_stop"]) == ("tool_calls", None)
+        assert choice["message"]["content"] == ""
+        assert call["id"].startswith("call_") and len(call["id"]) == 29
+        assert (call["index"], call["type"], call["function"]["name"]) == (
+            0,
+            "function",
+            "get_weather",
+        )
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+        # No tools, tool_choice "none", or after the tool's result: an answer.
+        for body in (
+            chat("Paris"),
+            chat("Paris", tools=[WEATHER], tool_choice="none"),
+            {
+                "messages": [
+                    {"role": "user", "content": "Paris"},
+                    choice["message"],
+                    {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
+                ],
+                "tools": [WEATHER],
+            },
+        ):
+            answer = json.loads(post(server.url, body)[2])["choices"][0]
+            assert answer["finish_reason"] == "stop" and "tool_calls" not in answer["message"]
+        # A call cut by max_tokens is dropped, as SGLang's parser drops it.
+        cut = json.loads(post(server.url, chat("Paris", tools=[WEATHER], max_tokens=3))[2])
+        assert cut["choices"][0]["finish_reason"] == "length"
+        assert cut["choices"][0]["message"] == {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": None,
+        }
+
+
+def test_tool_results_must_answer_the_calls_before_them() -> None:
+    def history(*results: dict[str, Any], calls: tuple[str, ...] = ("c1",)) -> dict[str, Any]:
+        function = {"name": "get_weather", "arguments": "{}"}
+        turn = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": c, "type": "function", "function": function} for c in calls],
+        }
+        return {"messages": [{"role": "user", "content": "q"}, turn, *results]}
+
+    def result(cid: str | None) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": cid, "content": "r"}
+
+    cases = {
+        "tool_call_id 'x' does not match an unanswered tool call.": history(result("x")),
+        "Tool calls ['c2'] have no tool message answering them.": history(
+            result("c1"), calls=("c1", "c2")
+        ),
+        "A tool message must follow an assistant message with tool_calls.": {
+            "messages": [{"role": "user", "content": "q"}, result("c1")]
+        },
+    }
+    with FakeOpenAIServer() as server:
+        for message, body in cases.items():
+            status, _, raw = post(server.url, body)
+            assert (status, json.loads(raw)["message"]) == (400, message)
+        assert post(server.url, history(result("c1")))[0] == 200
+    with FakeOpenAIServer(check_tool_pairing=False) as server:
+        assert post(server.url, history(result("x")))[0] == 200
+
+
+def test_openai_style_error_bodies() -> None:
+    plan = FaultPlan({"a": [Status.context_length_exceeded(10, 12)]})
+    with FakeOpenAIServer(faults=plan, error_style="openai") as server:
+        status, _, raw = post(server.url, chat("a"))
+    assert status == 400
+    assert json.loads(raw) == {
+        "error": {
+            "message": "The input (12 tokens) is longer than the model's context length "
+            "(10 tokens).",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    }

@@ -1,0 +1,603 @@
+"""Real SGLang's OpenAI-compatible HTTP server on CPU for ``tests/sglang/``: start and stop
+it, read its request log and ``/metrics``, and record what it sends (``tests/data/sglang/``).
+
+Checked facts (sglang 0.5.23 in the environment ``tests/sglang/setup.sh`` builds, run as
+:func:`support.sglang_cpu.sglang_env` sets it up; the tiny random Qwen3 of
+``target_models.make_qwen3_dir``: Qwen3's real template, a 402-token byte-level vocabulary,
+8 layers of width 64; flags as in :meth:`SGLangServer.command`; a 2-core AMD EPYC without
+AMX, shared with other work. ``tests/sglang/test_generate_server.py`` asserts the ones marked
+[T]; the bodies themselves are in ``tests/data/sglang/``, recorded by :func:`record_bodies`):
+
+Start-up and stop
+* ``--mem-fraction-static`` must be given (left automatic it comes out negative on CPU and
+  the KV pool cannot be sized); with ``--max-total-tokens 8192`` the pool is 8192 tokens
+  whatever the fraction. Cuda graphs are off by themselves with ``torch_native`` attention.
+* Three processes in the launcher's process group (launcher, ``sglang::scheduler``,
+  ``sglang::detokenizer``) plus multiprocessing's resource tracker, ~1 GB RSS each for this
+  model. Ready (``GET /health`` 200) 35-45 s after the launch on a quiet machine, up to
+  ~150 s under load. ``/health`` answers 503 while the server warms up (it sends itself one
+  ``/generate``), then 200 without generating. SIGTERM to the group: all gone in < 10 s.
+* ``--enable-metrics`` needs ``prometheus_client`` (not among sglang's CPU-path imports
+  otherwise); then ``/metrics`` has ``sglang:num_requests_total`` (every request, aborted
+  ones included), ``sglang:num_aborted_requests_total`` and
+  ``sglang:generation_tokens_total`` (aborted requests' partial tokens included).
+* ``--log-requests --log-requests-level 0`` logs one ``Receive: obj=GenerateReqInput(rid=...``
+  line per request and one ``Finish: ... out={'meta_info': {... 'finish_reason': {'type':
+  ...}, ... 'completion_tokens': N ...`` line per request that finished; an aborted request
+  gets no ``Finish`` line and no other line at that level (:meth:`SGLangServer.requests_since`).
+* ``--tool-call-parser qwen25`` is deprecated for ``qwen`` (same parser).
+
+Requests (``POST /v1/chat/completions``, non-streaming; shapes in ``tests/data/sglang/``)
+* ``/v1/models``: one model, ``id`` = ``--served-model-name``, with ``owned_by: "sglang"``,
+  ``root``, ``parent`` and ``max_model_len`` (the model's context, 1024 here). [T] The request's
+  ``model`` is not checked (any name is answered and echoed), unknown fields are ignored. [T]
+* ``--reasoning-parser qwen3``: with thinking on (Qwen3's default) everything before
+  ``</think>`` is ``message.reasoning_content``, also when the model never writes
+  ``<think>``: a random model that never closes its thinking gets ``content: ""`` (an empty
+  string, never null) and all its tokens as reasoning. [T] With ``chat_template_kwargs:
+  {enable_thinking: false}`` the template closes the think block and the output is
+  ``content`` with ``reasoning_content: null``. [T]
+* ``usage``: ``prompt_tokens``, ``completion_tokens`` (reasoning included), ``total_tokens``,
+  ``prompt_tokens_details`` (null), ``reasoning_tokens`` and ``completion_tokens_details``
+  (``{"reasoning_tokens": n}``, null when n is 0). [T] ``completion_tokens`` counts the end
+  token (an answer that is only ``<|im_end|>`` has 1) and a matched stop string's tokens,
+  whose text is cut from the output.
+* ``finish_reason``: ``"length"`` (exactly ``max_tokens`` completion tokens [T]), ``"stop"``
+  (end token: ``matched_stop`` is its id, an int; a stop string: ``matched_stop`` is the
+  string), ``"tool_calls"`` (a parsed call and the model stopped), ``"abort"`` (the scheduler
+  dropped the request, in a 200 body). Every choice has ``matched_stop`` and ``logprobs``
+  keys; the body a top-level ``metadata`` (``weight_version``, ``weight_versions``).
+* Tool calls (``--tool-call-parser qwen``): ``message.tool_calls`` = ``[{"id": "call_<hex>",
+  "index": 0, "type": "function", "function": {"name", "arguments": "<JSON string>"}}]``,
+  ``content: ""``. [T] ``tool_choice: "required"`` (or a named function) constrains the
+  output to ``<tool_call>\\n{"name":..., "arguments":...}`` with xgrammar, the arguments to
+  the tool's schema only with ``function.strict: true``; whitespace inside the arguments
+  stays free (``--constrained-json-disable-any-whitespace`` applies to ``response_format``
+  only), so a random model writes blanks forever unless ``logit_bias`` forbids them. With
+  thinking on the grammar starts after ``</think>``. A call cut by ``max_tokens`` is
+  dropped (content ``""``, no ``tool_calls``, a warning in the log).
+* History: assistant ``reasoning_content`` and ``tool_calls`` (``arguments`` as a JSON
+  string, decoded to an object for the template) and tool turns' ``tool_call_id``/``name``
+  are accepted and rendered. [T] The prompt SGLang renders equals eagle3data's
+  ``chat.render`` for plain conversations [T], but NOT with tools: every tool reaches the
+  template with an added ``"defer_loading": null`` (the ``Tool`` model of
+  ``entrypoints/openai/protocol.py`` dumps its unset field; ``Function`` drops its own), so
+  Qwen3's ``tool | tojson`` renders a key the client never sent. [T]
+* ``return_token_ids: true`` adds ``prompt_token_ids`` and ``response_token_ids`` to the
+  choice (``return_prompt_token_ids`` the first only). [T]
+* Errors have SGLang's flat body ``{"object": "error", "message", "type", "param", "code"}``,
+  not OpenAI's ``{"error": {...}}``. A prompt longer than the context: 400 ``type
+  "BadRequestError"``, "The input (N tokens) is longer than the model's context length (C
+  tokens)."; a prompt that fits but not with ``max_tokens``: 400, "Requested token count
+  exceeds the model's maximum context length of C tokens. ..." (no clamping). [T] A malformed
+  body (``messages`` not a list): 400 ``type "Bad Request"`` with pydantic's error. [T]
+  ``max_tokens: 0``: 200 with 0 completion tokens. 5xx from SGLang's HTTPException handler:
+  the same flat body, ``type`` the status as a string.
+
+Cancellation
+* A non-streaming request whose client hung up is aborted when SGLang next looks:
+  ``tokenizer_manager`` wakes every ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT`` seconds (default 4)
+  while the request waits or runs, sees the closed connection and sends the scheduler an
+  abort (running, or still queued): up to that long of decoding is wasted per request.
+  The tests set 1 s. [T: every request our client dropped is counted in
+  ``num_aborted_requests_total`` and never finishes]
+* Greedy output did not depend on the batch: 8 prompts alone, 8 at once and 8 at once in
+  the reverse order gave the same tokens (64 each). [T: an interrupted run resumed equals an
+  uninterrupted one]
+* Speed here: ~25-40 ms per decode step for this model whatever the batch (the step's
+  overhead dominates), ~10 tokens/s for one request.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from support.llama_server import free_port, post_json
+from support.sglang_cpu import CPU_ENGINE_ARGS, sglang_env
+
+SERVED_MODEL = "tiny-qwen3"
+RECORDED_DIR = Path(__file__).resolve().parents[1] / "data" / "sglang"
+# Set to a folder to have tests/sglang/test_generate_server.py record the bodies there
+# (RECORDED_DIR to re-record the committed ones).
+RECORD_ENV = "EAGLE3DATA_RECORD_SGLANG"
+
+
+class SGLangServerError(RuntimeError):
+    """The server died or did not come up in time; the message ends with its log tail."""
+
+
+def server_flags(args: Mapping[str, Any]) -> list[str]:
+    """``ServerArgs`` fields as ``launch_server`` flags (True: a bare switch)."""
+    flags: list[str] = []
+    for name, value in args.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False and value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+@dataclass
+class RequestLog:
+    """What the server's request log says about the requests of a stretch of time."""
+
+    received: list[str] = field(default_factory=list)  # rids, in arrival order
+    finished: dict[str, tuple[str, int]] = field(default_factory=dict)  # rid -> (type, tokens)
+
+    @property
+    def unfinished(self) -> list[str]:
+        """Requests that arrived and never finished: aborted (or still running)."""
+        return [rid for rid in self.received if rid not in self.finished]
+
+
+_RECEIVE = re.compile(r"\] Receive: obj=GenerateReqInput\(rid='([^']+)'")
+_FINISH = re.compile(r"\] Finish: obj=GenerateReqInput\(rid='([^']+)'")
+_FINISH_TYPE = re.compile(r"'finish_reason': \{'type': '([a-z_]+)'")
+_COMPLETION_TOKENS = re.compile(r"'completion_tokens': (\d+)")
+
+
+def parse_request_log(text: str) -> RequestLog:
+    log = RequestLog()
+    for line in text.splitlines():
+        if m := _RECEIVE.search(line):
+            log.received.append(m.group(1))
+        elif m := _FINISH.search(line):
+            out = line[line.find("out={") :]
+            kind = _FINISH_TYPE.search(out)
+            tokens = _COMPLETION_TOKENS.search(out)
+            log.finished[m.group(1)] = (
+                kind.group(1) if kind else "?",
+                int(tokens.group(1)) if tokens else -1,
+            )
+    return log
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text: each metric's value summed over its label sets."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        with contextlib.suppress(ValueError):
+            values[name] = values.get(name, 0.0) + float(value)
+    return values
+
+
+def group_processes(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, from /proc."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
+        fields = text[text.rfind(")") + 2 :].split()
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            live.append(int(stat.parent.name))
+    return live
+
+
+class SGLangServer:
+    """``python -m sglang.launch_server`` on 127.0.0.1, CPU, as a context manager.
+
+    >>> with SGLangServer(make_qwen3_dir(tmp / "qwen3")) as server:
+    ...     server.url         # "http://127.0.0.1:PORT/v1"
+    ...     server.model_name  # "tiny-qwen3"
+
+    The server runs in its own process group (session) with :func:`sglang_env`; leaving
+    the block (or the interpreter) sends SIGTERM to the whole group, SIGKILL after
+    ``stop_timeout`` seconds, and waits until no process of the group is left. Its output
+    goes to ``log_path`` (a temp file unless given); :meth:`log_tail` for failure messages.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        served_model_name: str = SERVED_MODEL,
+        reasoning_parser: str | None = "qwen3",
+        tool_call_parser: str | None = "qwen",
+        mem_fraction_static: float = 0.05,
+        request_state_wait_timeout_s: int | None = 1,
+        extra_args: Sequence[str] = (),
+        startup_timeout: float = 900.0,
+        stop_timeout: float = 60.0,
+        log_path: str | os.PathLike[str] | None = None,
+        python: str | None = None,
+    ) -> None:
+        self.model = Path(model)
+        self.served_model_name = served_model_name
+        self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
+        self.mem_fraction_static = mem_fraction_static
+        self.request_state_wait_timeout_s = request_state_wait_timeout_s
+        self.extra_args = list(extra_args)
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.python = python or sys.executable
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.port: int | None = None
+        self.model_name: str | None = None
+        self.models_response: dict[str, Any] | None = None
+        self.startup_s: float | None = None  # launch to the first /health 200
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+
+    # -- addresses ---------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT`` (no ``/v1``): ``/health``, ``/metrics``."""
+        if self.port is None:
+            raise SGLangServerError("the server is not started")
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The OpenAI base URL: ``http://127.0.0.1:PORT/v1``."""
+        return f"{self.base_url}/v1"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def command(self) -> list[str]:
+        if self.port is None:
+            raise SGLangServerError("no port chosen yet")
+        args: dict[str, Any] = {
+            "model_path": self.model,
+            "served_model_name": self.served_model_name,
+            "host": "127.0.0.1",
+            "port": self.port,
+            **CPU_ENGINE_ARGS,
+            "mem_fraction_static": self.mem_fraction_static,
+            "reasoning_parser": self.reasoning_parser,
+            "tool_call_parser": self.tool_call_parser,
+            "enable_metrics": True,
+            "log_requests": True,
+            "log_requests_level": 0,
+        }
+        return [self.python, "-m", "sglang.launch_server", *server_flags(args), *self.extra_args]
+
+    def env(self) -> dict[str, str]:
+        # No inherited SGLANG_* setting may change the server under test.
+        base = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+        env = sglang_env(base)
+        env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        if self.request_state_wait_timeout_s is not None:
+            env["SGLANG_REQUEST_STATE_WAIT_TIMEOUT"] = str(self.request_state_wait_timeout_s)
+        return env
+
+    # -- what the server says ----------------------------------------------------------
+
+    def log_text(self, offset: int = 0) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode("utf-8", errors="replace")
+
+    def log_offset(self) -> int:
+        """Where the log ends now: pass to :meth:`requests_since`."""
+        return self.log_path.stat().st_size if self.log_path and self.log_path.exists() else 0
+
+    def log_tail(self, n_chars: int = 6000) -> str:
+        return self.log_text()[-n_chars:] or "(no log)"
+
+    def requests_since(self, offset: int) -> RequestLog:
+        return parse_request_log(self.log_text(offset))
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics``, each value summed over its labels. A counter appears only once it
+        has counted (``sglang:num_aborted_requests_total`` after the first abort): read
+        them with ``.get(name, 0.0)``."""
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30) as resp:
+            return parse_metrics(resp.read().decode())
+
+    def chat(self, body: Mapping[str, Any], *, timeout: float = 300.0) -> tuple[int, Any]:
+        """POST /v1/chat/completions; (status, parsed body), errors too."""
+        return post_json(f"{self.url}/chat/completions", dict(body), timeout=timeout)
+
+    def get(self, path: str) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}{path}", timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return exc.code, exc.read().decode(errors="replace")
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> SGLangServer:
+        if self._proc is not None:
+            raise SGLangServerError("already started")
+        if not (self.model / "config.json").is_file():
+            raise FileNotFoundError(f"no model directory at {self.model}")
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.port = free_port()
+        self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        started = time.monotonic()
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=self.env(),
+            start_new_session=True,
+        )
+        atexit.register(self.stop)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - started
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.startup_timeout
+        last = ""
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise SGLangServerError(
+                    f"sglang.launch_server exited with code {code} before GET /health "
+                    f"answered 200\n--- log tail ({self.log_path}) ---\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=10) as resp:
+                    if resp.status == 200:
+                        break
+            except urllib.error.HTTPError as exc:
+                exc.close()
+                last = f"HTTP {exc.code}"  # 503 while warming up
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+                last = repr(exc)
+            if time.monotonic() > deadline:
+                raise SGLangServerError(
+                    f"sglang.launch_server did not answer GET /health within "
+                    f"{self.startup_timeout:g} s (last: {last})\n"
+                    f"--- log tail ({self.log_path}) ---\n{self.log_tail()}"
+                )
+            time.sleep(1.0)
+        status, body = self.get("/v1/models")
+        if status != 200 or not isinstance(body, dict):
+            raise SGLangServerError(f"GET /v1/models -> {status}: {body!r}")
+        self.models_response = body
+        self.model_name = body["data"][0]["id"]
+
+    def stop(self) -> None:
+        """SIGTERM the whole process group, SIGKILL what is left after ``stop_timeout``,
+        and wait until none of its processes is alive. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ValueError):
+                atexit.unregister(self.stop)
+            pgid = proc.pid  # start_new_session: the launcher leads its own group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=self.stop_timeout)
+            deadline = time.monotonic() + self.stop_timeout
+            while (left := group_processes(pgid)) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+            deadline = time.monotonic() + 30
+            while (left := group_processes(pgid)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if left:
+                raise SGLangServerError(f"SGLang processes {left} outlived SIGKILL")
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------- recording
+
+# A tool whose arguments xgrammar can force to an end: strict (the schema constrains the
+# arguments only then), one required enum parameter.
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Berlin"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+QUESTION = "What is the capital of France?"
+
+
+def blank_token_ids(tokenizer: Any) -> list[int]:
+    """Ids of the tokens that are only whitespace (for ``logit_bias``: a random model
+    under a JSON grammar writes blanks forever otherwise)."""
+    special = set(tokenizer.all_special_ids)
+    return [
+        i
+        for i in range(len(tokenizer))
+        if i not in special and tokenizer.decode([i]).strip() == "" and tokenizer.decode([i])
+    ]
+
+
+def forced_tool_call_body(tokenizer: Any) -> dict[str, Any]:
+    """Request fields that make a random model call :data:`WEATHER_TOOL` and then stop:
+    the call required (xgrammar), blanks forbidden, the end token as soon as it is
+    allowed (after the call)."""
+    bias = {str(i): -100.0 for i in blank_token_ids(tokenizer)}
+    bias[str(tokenizer.convert_tokens_to_ids("<|im_end|>"))] = 100.0
+    return {"tool_choice": "required", "logit_bias": bias, "parallel_tool_calls": False}
+
+
+def recording_cases(tokenizer: Any, model: str = SERVED_MODEL) -> dict[str, dict[str, Any]]:
+    """name -> request (``{"get": path}`` or a chat completion body) of each recording."""
+    user = [{"role": "user", "content": QUESTION}]
+    off = {"enable_thinking": False}
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    paris = tokenizer.convert_tokens_to_ids("Paris")
+
+    def chat(**fields: Any) -> dict[str, Any]:
+        return {"model": model, "messages": user, "temperature": 0.0, "max_tokens": 8, **fields}
+
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "I should look it up.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
+    ]
+    return {
+        "models": {"get": "/v1/models"},
+        "chat_thinking": chat(),
+        "chat_no_thinking": chat(chat_template_kwargs=off),
+        "chat_stop_eos": chat(chat_template_kwargs=off, logit_bias={str(eos): 100.0}),
+        "chat_stop_string": chat(
+            chat_template_kwargs=off, logit_bias={str(paris): 100.0}, stop=["Paris"]
+        ),
+        "chat_tool_call": chat(
+            chat_template_kwargs=off,
+            max_tokens=128,  # the call is ~75 tokens of this byte-level vocabulary
+            tools=[WEATHER_TOOL],
+            **forced_tool_call_body(tokenizer),
+        ),
+        "chat_token_ids": chat(return_token_ids=True),
+        "chat_history": chat(
+            messages=history, tools=[WEATHER_TOOL], max_tokens=4, return_token_ids=True
+        ),
+        "error_context_too_long": chat(
+            messages=[{"role": "user", "content": " ".join(["capital"] * 1100)}]
+        ),
+        "error_context_with_max_tokens": chat(
+            messages=[{"role": "user", "content": " ".join(["capital"] * 1000)}], max_tokens=100
+        ),
+        "error_malformed": {"model": model, "messages": "hi", "max_tokens": 4},
+    }
+
+
+def record_bodies(
+    server: SGLangServer, tokenizer: Any, out_dir: str | os.PathLike[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Send each of :func:`recording_cases` to ``server``; returns name -> ``{"request",
+    "status", "response"}`` (plus ``prompt_text``, the decoded ``prompt_token_ids``, where
+    the server returned them) and writes each as ``{out_dir}/{name}.json`` if given."""
+    records: dict[str, dict[str, Any]] = {}
+    for name, request in recording_cases(tokenizer, server.model_name or SERVED_MODEL).items():
+        if "get" in request:
+            status, response = server.get(request["get"])
+        else:
+            status, response = server.chat(request)
+        record: dict[str, Any] = {"request": request, "status": status, "response": response}
+        choices = response.get("choices") if isinstance(response, dict) else None
+        if choices and "prompt_token_ids" in choices[0]:
+            record["prompt_text"] = tokenizer.decode(choices[0]["prompt_token_ids"])
+        records[name] = record
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, record in records.items():
+            text = json.dumps(record, indent=1, ensure_ascii=False) + "\n"
+            (out / f"{name}.json").write_text(text, encoding="utf-8")
+    return records
+
+
+def load_recorded(directory: str | os.PathLike[str] = RECORDED_DIR) -> dict[str, dict[str, Any]]:
+    """The committed recordings, name -> record."""
+    return {
+        p.stem: json.loads(p.read_text(encoding="utf-8"))
+        for p in sorted(Path(directory).glob("*.json"))
+    }
+
+
+def json_shape(value: Any) -> Any:
+    """The keys, types and nesting of a JSON value, without its values: objects keep their
+    keys (sorted), a list becomes the sorted distinct shapes of its items."""
+    if isinstance(value, dict):
+        return {k: json_shape(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        shapes = {json.dumps(json_shape(v), sort_keys=True) for v in value}
+        return [json.loads(s) for s in sorted(shapes)]
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    return type(value).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Re-record ``tests/data/sglang/``: start a server on a fresh tiny Qwen3 and record."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from support.target_models import make_qwen3_dir
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--out", default=str(RECORDED_DIR))
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_qwen3_dir(Path(tmp) / "qwen3")
+        with SGLangServer(model, log_path=Path(tmp) / "server.log") as server:
+            print(f"ready in {server.startup_s:.0f} s", flush=True)
+            record_bodies(server, AutoTokenizer.from_pretrained(model), args.out)
+    print(f"recorded into {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # PYTHONPATH=tests .venv-sglang/bin/python -m support.sglang_server
+    sys.exit(main())

@@ -30,6 +30,7 @@ from eagle3data.generation.driver import (
     ErrorLimits,
     GenerationAborted,
     GenerationJob,
+    Prompt,
     run_generation,
 )
 from eagle3data.generation.engines.openai_engine import (
@@ -37,6 +38,7 @@ from eagle3data.generation.engines.openai_engine import (
     HttpSettings,
     OpenAIEngine,
 )
+from eagle3data.prompts.sources import prompt_hash
 
 SAMPLING = {
     "temperature": 0.0,
@@ -340,3 +342,94 @@ def test_cancelled_requests_do_not_count_against_the_endpoint(tmp_path: Path, ca
     assert endpoint.consecutive_failures == 0
     assert endpoint.paused_until <= time.monotonic()
     assert not [r for r in caplog.records if "failed" in r.getMessage()]
+
+
+# --------------------------------------------------------------------------- what SGLang does
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def tool_prompt(pid: str, source_calls: int) -> Prompt:
+    """A question, the source's turn with ``source_calls`` calls, their results, an answer."""
+    calls = [
+        {
+            "id": f"src_{k}",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": "{}"},
+        }
+        for k in range(source_calls)
+    ]
+    results = [
+        {"role": "tool", "tool_call_id": f"src_{k}", "name": "get_weather", "content": f"r{k}"}
+        for k in range(source_calls)
+    ]
+    messages = [
+        {"role": "user", "content": f"weather {pid}"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        *results,
+        {"role": "assistant", "content": "source answer"},
+    ]
+    return Prompt(pid, prompt_hash(messages), messages, [TOOL])
+
+
+def test_tool_results_answer_the_regenerated_calls(tmp_path: Path) -> None:
+    """SGLang 0.5.23 refuses a tool result whose tool_call_id answers no call of the turn
+    before (400), and a regenerated call has a new id: the result is relinked to it."""
+    j = GenerationJob("A1", [tool_prompt("one", 1)], tmp_path / "j.jsonl", "fake-model", SAMPLING)
+    with FakeOpenAIServer(call_tools=True) as server:  # checks the pairing as SGLang does
+        result = generate(j, server.url)
+        bodies = server.requests
+    [row] = result.rows
+    _, call_turn, tool, answer = row["messages"]
+    [call] = call_turn["tool_calls"]
+    assert call["id"].startswith("call_") and call["id"] != "src_0"
+    assert tool == {
+        "role": "tool",
+        "tool_call_id": call["id"],
+        "name": "get_weather",
+        "content": "r0",
+    }
+    assert bodies[1]["messages"][2] == tool  # what the server was sent
+    assert answer["content"].startswith("Answer to:")
+    assert [t["finish_reason"] for t in row["turns"]] == ["tool_calls", "stop"]
+
+
+def test_results_that_cannot_answer_the_regenerated_calls_fail_the_prompt(tmp_path: Path) -> None:
+    """Two source results for one regenerated call: no history pairs them, the server
+    refuses it, and the prompt is recorded as failed with the server's message."""
+    j = GenerationJob("A1", [tool_prompt("two", 2)], tmp_path / "j.jsonl", "fake-model", SAMPLING)
+    with FakeOpenAIServer(call_tools=True) as server:
+        result = generate(j, server.url)
+    assert result.rows == []
+    [failure] = result.failures
+    assert failure["id"] == "two"
+    assert failure["error"] == (
+        "turn 2: HTTP 400: tool_call_id 'src_0' does not match an unanswered tool call."
+    )
+
+
+@pytest.mark.parametrize("style", ["sglang", "openai"])
+def test_error_messages_of_both_body_shapes_are_recorded(tmp_path: Path, style: str) -> None:
+    plan = FaultPlan({"question 1": [Status.context_length_exceeded(1024, 1113)]})
+    with FakeOpenAIServer(faults=plan, error_style=style) as server:
+        result = generate(job(tmp_path, n=2), server.url)
+    [failure] = result.failures
+    expected = "The input (1113 tokens) is longer than the model's context length (1024 tokens)."
+    assert failure["error"] == f"turn 1: HTTP 400: {expected}"
+
+
+def test_sglang_error_bodies_give_their_message() -> None:
+    from eagle3data.generation.engines.openai_engine import _error_message
+
+    flat = {"object": "error", "message": "too long", "type": "BadRequestError", "code": 400}
+    assert _error_message(flat, "") == "too long"
+    assert _error_message({"error": {"message": "nested"}}, "") == "nested"
+    assert _error_message({"error": "Unauthorized"}, '{"error":"Unauthorized"}') == "Unauthorized"
+    assert _error_message({"detail": "Not Found"}, "") == "Not Found"
+    assert _error_message(None, "<html>bad gateway</html>") == "<html>bad gateway</html>"

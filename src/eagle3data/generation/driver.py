@@ -19,7 +19,12 @@ each user turn and after each run of tool turns, on the regenerated history so f
 the source's system, user and tool turns in order; a conversation's ``tools`` go with
 every request. Tools are never executed: the source's tool results stay as given, even
 where a regenerated turn calls other tools (or none) than the source's did, so what the
-target is shown stays a function of the source alone.
+target is shown stays a function of the source alone. Only their ``tool_call_id`` follows
+the regenerated calls, when there are as many calls as results (``_answering``): servers
+refuse a result that answers no call of the turn before (SGLang 0.5.23: 400), and a
+regenerated call's id is new. A regenerated turn that makes another number of calls than
+the source has results leaves a history such a server refuses: that prompt fails with the
+server's message, like any other 4xx.
 """
 
 from __future__ import annotations
@@ -135,7 +140,10 @@ class Conversation:
         if self.failure is not None or k >= len(self.segments):
             return None
         if self.opened == k:  # idempotent: the batch loop asks twice per round
-            self.history.extend(self.segments[k])
+            segment = self.segments[k]
+            if k and self.history and self.history[-1]["role"] == "assistant":
+                segment = _answering(self.history[-1], segment)
+            self.history.extend(segment)
             self.opened += 1
         return self.history
 
@@ -169,6 +177,31 @@ class Conversation:
         """``tools=`` for the engine, only when there are tools: plain conversations
         make exactly the calls they always made."""
         return {} if self.tools is None else {"tools": self.tools}
+
+
+def _answering(assistant: Mapping[str, Any], segment: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``segment`` with its leading tool results linked to the regenerated calls before it.
+
+    A source's tool result names the source's call in ``tool_call_id``, and a regenerated
+    turn's calls have ids of their own (SGLang's are random, ``call_<hex>``). Servers check
+    the link: SGLang 0.5.23 refuses (400, "tool_call_id ... does not match an unanswered
+    tool call") a result that answers no call of the assistant turn before it, or a call
+    left unanswered. So where the regenerated turn made as many calls as the source has
+    results, result ``j`` takes the id of call ``j``; its content and name stay as given.
+    Otherwise (other counts, no calls) the results stay as they are, and a server that
+    checks refuses the turn: the prompt fails with its message (see the module docstring).
+    """
+    calls = assistant.get("tool_calls") or []
+    n = 0
+    while n < len(segment) and segment[n]["role"] == "tool":
+        n += 1
+    if not calls or n != len(calls):
+        return segment
+    linked = [
+        {**result, "tool_call_id": call["id"]} if call.get("id") else result
+        for result, call in zip(segment[:n], calls, strict=True)
+    ]
+    return linked + segment[n:]
 
 
 def _segments(messages: Sequence[Mapping[str, Any]]) -> list[list[dict[str, Any]]]:

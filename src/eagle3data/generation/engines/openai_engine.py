@@ -205,10 +205,15 @@ def parse_tool_calls(raw: Any) -> list[dict[str, Any]] | None:
 
 
 def _error_message(payload: Any, text: str) -> str:
+    """The message of an error body: OpenAI's, vLLM's and llama.cpp's ``{"error": {"message":
+    ...}}``, SGLang's flat ``{"object": "error", "message": ...}``, SGLang's auth failures
+    ``{"error": "Unauthorized"}``, FastAPI's ``{"detail": ...}``; else the text itself."""
     if isinstance(payload, dict):
         err = payload.get("error", payload)
         if isinstance(err, dict) and err.get("message"):
             return str(err["message"])
+        if isinstance(err, str) and err:
+            return err
         if isinstance(payload.get("detail"), str):
             return payload["detail"]
     return text[:500]

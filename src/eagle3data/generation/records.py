@@ -15,8 +15,9 @@ On disk (one JSON line per record, keys sorted)::
 
 ``finished_at`` (unix seconds) is when the record was journaled; journals written before
 it existed lack it. ``messages`` is the regenerated conversation: the source's system,
-user and tool turns (``tool_call_id``, ``name`` as given) and the regenerated assistant
-turns (``reasoning_content`` and ``tool_calls`` when the engine returned them); one
+user and tool turns (``name`` as given; ``tool_call_id`` the id of the regenerated call
+a result answers, see ``driver._answering``) and the regenerated assistant turns
+(``reasoning_content`` and ``tool_calls`` when the engine returned them); one
 :class:`Turn` per assistant message, in order.
 """
 

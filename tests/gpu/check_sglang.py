@@ -260,37 +260,21 @@ def kimi_k25_text_config(
 
 def kimi_k25_wrapper_config(text: dict[str, Any]) -> dict[str, Any]:
     """K2.5's ``config.json`` shape around ``text``: no top-level sizes, a vision config."""
-    from support.target_models import KIMI_PAD_ID
+    from support.target_models import KIMI_PAD_ID, k25_vision_names
 
     heads, layers, mlp = 2, 1, 2 * VISION_HIDDEN
-    vision = {
+    vision: dict[str, Any] = {  # transformers' names, then K2.5's own (what SGLang reads)
         "patch_size": VISION_PATCH,
         "merge_kernel_size": list(VISION_MERGE),
-        # SGLang's (and transformers') names
         "hidden_size": VISION_HIDDEN,
         "num_attention_heads": heads,
         "num_hidden_layers": layers,
         "intermediate_size": mlp,
-        "init_pos_emb_height": 4,
-        "init_pos_emb_width": 4,
-        "init_pos_emb_time": 4,
         "pos_emb_height": 4,
         "pos_emb_width": 4,
         "pos_emb_time": 4,
-        "pos_emb_type": "divided_fixed",
-        "video_attn_type": "spatial_temporal",
-        "merge_type": "sd2_tpool",
-        # K2.5's names
-        "vt_hidden_size": VISION_HIDDEN,
-        "vt_num_attention_heads": heads,
-        "vt_num_hidden_layers": layers,
-        "vt_intermediate_size": mlp,
-        "mm_projector_type": "patchmerger",
-        "mm_hidden_size": VISION_HIDDEN,
-        "projector_hidden_act": "gelu",
-        "projector_ln_eps": 1e-5,
-        "text_hidden_size": text["hidden_size"],
     }
+    vision.update(k25_vision_names(vision, text_hidden=text["hidden_size"]))
     return {
         "architectures": ["KimiK25ForConditionalGeneration"],
         "model_type": "kimi_k25",

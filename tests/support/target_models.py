@@ -405,7 +405,19 @@ _KIMI_MODEL_SIZES: dict[str, Any] = {
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
-    "max_position_embeddings": 1024,
+    "max_position_embeddings": 262144,  # K2.5's, which its YaRN factor implies
+    # K2.5's YaRN (config.json rope_parameters): SGLang's CPU RoPE for DeepSeek models takes
+    # only deepseek_yarn, and every K2.x checkpoint ships it.
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
     "num_nextn_predict_layers": 0,
     # As in K2.5's config.json (DeepSeek-V3's router keys): transformers' DeepseekV3Config
     # neither needs nor writes them, SGLang's deepseek_v2 reads them.
@@ -631,9 +643,35 @@ def _kimi_wrapper_config() -> dict[str, Any]:
         tie_word_embeddings=False,
         dtype="bfloat16",
     ).to_dict()
+    # K2.5's config.json names its tower's sizes vt_* and the projector's mm_*/text_*: SGLang's
+    # KimiK25ForConditionalGeneration builds both from them (transformers writes neither).
+    text_hidden = _KIMI_MODEL_SIZES["hidden_size"]
+    config["vision_config"].update(k25_vision_names(vision.to_dict(), text_hidden=text_hidden))
     config["architectures"] = ["KimiK25ForConditionalGeneration"]
     config["text_config"]["architectures"] = ["DeepseekV3ForCausalLM"]
     return config
+
+
+def k25_vision_names(vision: dict[str, Any], *, text_hidden: int) -> dict[str, Any]:
+    """The vision_config keys of K2.5's own config.json for a tower and projector of the
+    sizes in ``vision`` (transformers' names), as SGLang 0.5.23 reads them."""
+    return {
+        "vt_hidden_size": vision["hidden_size"],
+        "vt_num_attention_heads": vision["num_attention_heads"],
+        "vt_num_hidden_layers": vision["num_hidden_layers"],
+        "vt_intermediate_size": vision["intermediate_size"],
+        "init_pos_emb_height": vision["pos_emb_height"],
+        "init_pos_emb_width": vision["pos_emb_width"],
+        "init_pos_emb_time": vision.get("pos_emb_time", 4),
+        "pos_emb_type": "divided_fixed",
+        "video_attn_type": "spatial_temporal",
+        "merge_type": "sd2_tpool",
+        "mm_projector_type": "patchmerger",
+        "mm_hidden_size": vision["hidden_size"],
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-5,
+        "text_hidden_size": text_hidden,
+    }
 
 
 def _save_kimi_wrapper(model: DeepseekV3ForCausalLM, out: Path) -> None:

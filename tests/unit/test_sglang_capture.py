@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import runpy
 import shutil
@@ -39,6 +40,7 @@ from eagle3data.hidden_states.sglang_capture import (
     shared_rows_hook,
     split_states,
     start_engine,
+    workers_write_to_job_log,
 )
 
 HIDDEN = 8
@@ -244,6 +246,25 @@ def test_a_failed_engine_start_leaves_no_context_that_blocks_the_exit(model_dir,
     with pytest.raises(RuntimeError, match="scheduler died"):
         SGLangCapture(str(model_dir), options={"handoff": "lists"}, engine_factory=dead_scheduler)
     assert context.closed  # else the interpreter's exit waits on it forever
+
+
+def test_workers_started_in_the_block_write_to_the_job_log(tmp_path):
+    from eagle3data.jobs import setup_logging
+
+    log_path = tmp_path / "job.log"
+    setup_logging(str(log_path))
+    worker = [sys.executable, "-c", "import sys; sys.stderr.write('worker traceback\\n')"]
+    try:
+        with workers_write_to_job_log():
+            subprocess.run(worker, check=True)  # inherits stderr, as SGLang's workers do
+            logging.basicConfig(format="%(message)s", force=True)  # as SGLang's engine does
+        subprocess.run(worker, check=True, capture_output=True)
+        logging.getLogger("eagle3data").info("a line after the engine started")
+    finally:
+        setup_logging(None)
+    text = log_path.read_text()
+    assert text.count("worker traceback") == 1
+    assert "a line after the engine started" in text
 
 
 def test_hook_factory_path_resolves_like_sglang_resolves_it():

@@ -31,12 +31,13 @@ sglang is imported only when an engine is started (the ``gpu`` extra installs it
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -262,7 +263,8 @@ def _prefill_block(output: Mapping[str, Any], length: int) -> list[list[float]]:
 
 def start_engine(kwargs: Mapping[str, Any]) -> Any:
     """A real ``sglang.Engine`` (needs the ``gpu`` extra, and CUDA GPUs unless ``device``
-    is ``cpu``)."""
+    is ``cpu``), its workers writing to this job's log (:func:`workers_write_to_job_log`)
+    and a worker's failure raised here (:func:`worker_failed`)."""
     if kwargs.get("device") == "cpu":
         # SGLang chooses its CPU platform from this variable alone (is_cpu()), at import,
         # in this process and the workers it spawns; device="cpu" without it dies in the
@@ -273,9 +275,57 @@ def start_engine(kwargs: Mapping[str, Any]) -> Any:
     except ImportError as exc:
         raise SGLangCaptureError(
             "hidden_states.backend is sglang but sglang is not installed; "
-            "install the gpu extra: pip install -e '.[gpu]'"
+            "install the gpu extra: pip install -e '.[gpu]' -c constraints/gpu.txt"
         ) from exc
-    return sglang.Engine(**kwargs)
+    with workers_write_to_job_log():
+        return sglang.Engine(**{"custom_sigquit_handler": worker_failed, **kwargs})
+
+
+def worker_failed(_signum: int, _frame: Any) -> None:
+    """SIGQUIT handler of the engine's process (``custom_sigquit_handler``).
+
+    SGLang's workers send SIGQUIT to the engine's process when one of them fails, and
+    SGLang's own handler then SIGKILLs the whole process tree, this job included: the job
+    died with no line in its log (seen with sglang 0.5.23: a scheduler that could not build
+    the model). This one stops the other workers the same way, then fails the job with a
+    line that points at the worker's traceback."""
+    from sglang.srt.utils import kill_process_tree
+
+    kill_process_tree(os.getpid(), include_parent=False)
+    raise SGLangCaptureError(
+        "an SGLang worker process failed (its traceback is above in this job's log)"
+    )
+
+
+@contextlib.contextmanager
+def workers_write_to_job_log() -> Iterator[None]:
+    """Keep this job's log through an engine start (sglang 0.5.23 facts):
+
+    * stderr, which the engine's worker processes inherit when they start, points at the
+      job's log file for the duration of the block (this process gets its own back): the
+      scheduler and detokenizer log to stderr, which for a Snakemake job is the console of
+      the whole run, and a worker's traceback was lost there;
+    * the root logger's handlers and level are put back afterwards: the engine reconfigures
+      logging (``basicConfig(force=True)``), which dropped the job's log file, so no later
+      line of the job reached it."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    logs = [h for h in handlers if isinstance(h, logging.FileHandler)]
+    saved = None
+    try:
+        if logs:
+            sys.stderr.flush()
+            saved = os.dup(2)
+            with open(logs[0].baseFilename, "ab", buffering=0) as job_log:
+                os.dup2(job_log.fileno(), 2)
+        yield
+    finally:
+        if saved is not None:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 def drop_messaging_contexts() -> None:

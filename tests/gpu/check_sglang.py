@@ -1,7 +1,7 @@
 """GPU check: SGLang capture vs the transformers backend on the same weights and tokens.
 
-Needs a CUDA GPU and sglang >= 0.5.23 (``pip install -e '.[gpu]'``). Run from the repository
-root:
+Needs a CUDA GPU and sglang >= 0.5.23 (the GPU box: ``pip install -e '.[gpu]' -c
+constraints/gpu.txt``, README). Run from the repository root:
 
     python tests/gpu/check_sglang.py                       # shrunken random Llama
     python tests/gpu/check_sglang.py --model kimi-wrapper  # shrunken Kimi-K2.5, as K2.5 ships
@@ -647,7 +647,10 @@ def sglang_problem(device: str = "cuda") -> str | None:
         return cpu_problem()
 
     if importlib.util.find_spec("sglang") is None:
-        return f"sglang is not installed (pip install -e '.[gpu]', sglang>={MIN_SGLANG})"
+        return (
+            f"sglang is not installed (pip install -e '.[gpu]' -c constraints/gpu.txt, "
+            f"sglang>={MIN_SGLANG})"
+        )
     from packaging.version import Version
 
     version = importlib.metadata.version("sglang")

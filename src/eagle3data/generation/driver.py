@@ -20,11 +20,11 @@ the source's system, user and tool turns in order; a conversation's ``tools`` go
 every request. Tools are never executed: the source's tool results stay as given, even
 where a regenerated turn calls other tools (or none) than the source's did, so what the
 target is shown stays a function of the source alone. Only their ``tool_call_id`` follows
-the regenerated calls, when there are as many calls as results (``_answering``): servers
-refuse a result that answers no call of the turn before (SGLang 0.5.23: 400), and a
-regenerated call's id is new. A regenerated turn that makes another number of calls than
-the source has results leaves a history such a server refuses: that prompt fails with the
-server's message, like any other 4xx.
+the regenerated calls, when there are as many calls as results (``_answering``): a
+regenerated call's id is new, templates such as Kimi-K2.5's render both ids, and some
+servers refuse a result that answers no call of the turn before (OpenAI's API; SGLang
+0.5.23 for MiniMax-M3 only). With another number of calls the results stay as given; such
+a server refuses that history and the prompt fails with its message, like any other 4xx.
 """
 
 from __future__ import annotations
@@ -183,13 +183,14 @@ def _answering(assistant: Mapping[str, Any], segment: list[dict[str, Any]]) -> l
     """``segment`` with its leading tool results linked to the regenerated calls before it.
 
     A source's tool result names the source's call in ``tool_call_id``, and a regenerated
-    turn's calls have ids of their own (SGLang's are random, ``call_<hex>``). Servers check
-    the link: SGLang 0.5.23 refuses (400, "tool_call_id ... does not match an unanswered
-    tool call") a result that answers no call of the assistant turn before it, or a call
-    left unanswered. So where the regenerated turn made as many calls as the source has
-    results, result ``j`` takes the id of call ``j``; its content and name stay as given.
-    Otherwise (other counts, no calls) the results stay as they are, and a server that
-    checks refuses the turn: the prompt fails with its message (see the module docstring).
+    turn's calls have ids of their own (SGLang's are random ``call_<hex>`` for most
+    parsers, ``functions.<name>:<n>`` for Kimi's). The target should see its results answer
+    its own calls: Kimi-K2.5's template renders the call's id and ``## Return of <id>``,
+    and servers that check the link refuse a result that answers no call of the turn
+    before (OpenAI's API; SGLang 0.5.23 for MiniMax-M3: 400 "tool_call_id ... does not
+    match an unanswered tool call"). So where the regenerated turn made as many calls as
+    the source has results, result ``j`` takes the id of call ``j``; its content and name
+    stay as given. Otherwise (other counts, no calls) the results stay as they are.
     """
     calls = assistant.get("tool_calls") or []
     n = 0

@@ -6,7 +6,8 @@ Checked facts (sglang 0.5.23 in the environment ``tests/sglang/setup.sh`` builds
 ``target_models.make_qwen3_dir``: Qwen3's real template, a 402-token byte-level vocabulary,
 8 layers of width 64; flags as in :meth:`SGLangServer.command`; a 2-core AMD EPYC without
 AMX, shared with other work. ``tests/sglang/test_generate_server.py`` asserts the ones marked
-[T]; the bodies themselves are in ``tests/data/sglang/``, recorded by :func:`record_bodies`):
+[T]; "(code)" marks what was read in SGLang's source, not seen; the bodies themselves are
+in ``tests/data/sglang/``, recorded by :func:`record_bodies`):
 
 Start-up and stop
 * ``--mem-fraction-static`` must be given (left automatic it comes out negative on CPU and
@@ -14,9 +15,12 @@ Start-up and stop
   whatever the fraction. Cuda graphs are off by themselves with ``torch_native`` attention.
 * Three processes in the launcher's process group (launcher, ``sglang::scheduler``,
   ``sglang::detokenizer``) plus multiprocessing's resource tracker, ~1 GB RSS each for this
-  model. Ready (``GET /health`` 200) 35-45 s after the launch on a quiet machine, up to
-  ~150 s under load. ``/health`` answers 503 while the server warms up (it sends itself one
-  ``/generate``), then 200 without generating. SIGTERM to the group: all gone in < 10 s.
+  model. Ready (``GET /health`` 200) 32-38 s after the launch here (the earlier session's
+  135M model under heavy load: ~150 s). ``/health`` answers 503 while the server warms up
+  (it sends itself one ``/generate``), then 200 without generating (code). SIGTERM to the group:
+  every process gone in a few seconds (:attr:`SGLangServer.stop_s`); a dead launcher's
+  children can linger as zombies (PID 1 here reaps late), which :func:`group_processes`
+  does not count.
 * ``--enable-metrics`` needs ``prometheus_client`` (not among sglang's CPU-path imports
   otherwise); then ``/metrics`` has ``sglang:num_requests_total`` (every request, aborted
   ones included), ``sglang:num_aborted_requests_total`` and
@@ -24,13 +28,15 @@ Start-up and stop
 * ``--log-requests --log-requests-level 0`` logs one ``Receive: obj=GenerateReqInput(rid=...``
   line per request and one ``Finish: ... out={'meta_info': {... 'finish_reason': {'type':
   ...}, ... 'completion_tokens': N ...`` line per request that finished; an aborted request
-  gets no ``Finish`` line and no other line at that level (:meth:`SGLangServer.requests_since`).
+  gets no ``Finish`` line and no other line at that level (:meth:`SGLangServer.requests_since`),
+  nor does one refused after it arrived (the context-length 400s). The 400s for a malformed
+  body come before, with no ``Receive`` line either.
 * ``--tool-call-parser qwen25`` is deprecated for ``qwen`` (same parser).
 
 Requests (``POST /v1/chat/completions``, non-streaming; shapes in ``tests/data/sglang/``)
 * ``/v1/models``: one model, ``id`` = ``--served-model-name``, with ``owned_by: "sglang"``,
   ``root``, ``parent`` and ``max_model_len`` (the model's context, 1024 here). [T] The request's
-  ``model`` is not checked (any name is answered and echoed), unknown fields are ignored. [T]
+  ``model`` is not checked (any name is answered and echoed), unknown fields are ignored.
 * ``--reasoning-parser qwen3``: with thinking on (Qwen3's default) everything before
   ``</think>`` is ``message.reasoning_content``, also when the model never writes
   ``<think>``: a random model that never closes its thinking gets ``content: ""`` (an empty
@@ -44,16 +50,19 @@ Requests (``POST /v1/chat/completions``, non-streaming; shapes in ``tests/data/s
   whose text is cut from the output.
 * ``finish_reason``: ``"length"`` (exactly ``max_tokens`` completion tokens [T]), ``"stop"``
   (end token: ``matched_stop`` is its id, an int; a stop string: ``matched_stop`` is the
-  string), ``"tool_calls"`` (a parsed call and the model stopped), ``"abort"`` (the scheduler
-  dropped the request, in a 200 body). Every choice has ``matched_stop`` and ``logprobs``
-  keys; the body a top-level ``metadata`` (``weight_version``, ``weight_versions``).
+  string) [T], ``"tool_calls"`` (a parsed call and the model stopped) [T], ``"abort"`` (the
+  scheduler dropped the request without a status, in a 200 body; with one it is an HTTP
+  error: 400 for its 400s, else the status, e.g. 503 for a decode-memory retraction) (code).
+  Every choice has ``matched_stop`` and ``logprobs`` keys; the body a top-level ``metadata``
+  (``weight_version``, ``weight_versions``). [T]
 * Tool calls (``--tool-call-parser qwen``): ``message.tool_calls`` = ``[{"id": "call_<hex>",
   "index": 0, "type": "function", "function": {"name", "arguments": "<JSON string>"}}]``,
   ``content: ""``. [T] ``tool_choice: "required"`` (or a named function) constrains the
   output to ``<tool_call>\\n{"name":..., "arguments":...}`` with xgrammar, the arguments to
   the tool's schema only with ``function.strict: true``; whitespace inside the arguments
-  stays free (``--constrained-json-disable-any-whitespace`` applies to ``response_format``
-  only), so a random model writes blanks forever unless ``logit_bias`` forbids them. With
+  stays free (``--constrained-json-disable-any-whitespace`` applies to JSON-schema
+  constraints, not to this structural tag: seen), so a random model writes blanks forever
+  unless ``logit_bias`` forbids them (:func:`forced_tool_call_body`). With
   thinking on the grammar starts after ``</think>``. A call cut by ``max_tokens`` is
   dropped (content ``""``, no ``tool_calls``, a warning in the log).
 * History: assistant ``reasoning_content`` and ``tool_calls`` (``arguments`` as a JSON
@@ -63,29 +72,38 @@ Requests (``POST /v1/chat/completions``, non-streaming; shapes in ``tests/data/s
   template with an added ``"defer_loading": null`` (the ``Tool`` model of
   ``entrypoints/openai/protocol.py`` dumps its unset field; ``Function`` drops its own), so
   Qwen3's ``tool | tojson`` renders a key the client never sent. [T]
+* Tool-call ids are random (``call_`` + 24 hex digits of a uuid4) for every parser but
+  Kimi's (``functions.<name>:<n>``) (code), so two requests never get the same id. [T]
+  Whether tool results pair with the calls before them (each call answered once, by id)
+  is checked only for MiniMax-M3 (``_validate_minimax_m3_request``; code): with Qwen3 a
+  history whose results answer no call of the turn before is accepted. [T]
 * ``return_token_ids: true`` adds ``prompt_token_ids`` and ``response_token_ids`` to the
-  choice (``return_prompt_token_ids`` the first only). [T]
+  choice [T] (``return_prompt_token_ids`` the first only; code).
 * Errors have SGLang's flat body ``{"object": "error", "message", "type", "param", "code"}``,
   not OpenAI's ``{"error": {...}}``. A prompt longer than the context: 400 ``type
   "BadRequestError"``, "The input (N tokens) is longer than the model's context length (C
   tokens)."; a prompt that fits but not with ``max_tokens``: 400, "Requested token count
   exceeds the model's maximum context length of C tokens. ..." (no clamping). [T] A malformed
   body (``messages`` not a list): 400 ``type "Bad Request"`` with pydantic's error. [T]
-  ``max_tokens: 0``: 200 with 0 completion tokens. 5xx from SGLang's HTTPException handler:
-  the same flat body, ``type`` the status as a string.
+  ``max_tokens: 0``: 200 with 0 completion tokens (and, oddly, ``reasoning_tokens: 1``).
+  Errors from SGLang's HTTPException handler (5xx): the same flat body, ``type`` the status
+  as a string (code). A failed API key: 401 ``{"error": "Unauthorized"}`` (code).
 
 Cancellation
 * A non-streaming request whose client hung up is aborted when SGLang next looks:
   ``tokenizer_manager`` wakes every ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT`` seconds (default 4)
   while the request waits or runs, sees the closed connection and sends the scheduler an
-  abort (running, or still queued): up to that long of decoding is wasted per request.
-  The tests set 1 s. [T: every request our client dropped is counted in
-  ``num_aborted_requests_total`` and never finishes]
+  abort (running, or still queued) (code): up to that long of decoding is wasted per
+  request (seen with the default: 3 requests dropped 6 s into 300-token answers ran ~286
+  tokens each). The tests set 1 s. [T: every request our client dropped, mid-decode or at
+  a SIGKILL of the job, is counted in ``num_aborted_requests_total`` and never finishes,
+  after fewer tokens than a full answer]
 * Greedy output did not depend on the batch: 8 prompts alone, 8 at once and 8 at once in
   the reverse order gave the same tokens (64 each). [T: an interrupted run resumed equals an
   uninterrupted one]
-* Speed here: ~25-40 ms per decode step for this model whatever the batch (the step's
-  overhead dominates), ~10 tokens/s for one request.
+* Speed here: a decode step costs about the same for 1 or 8 requests (its overhead
+  dominates): 5-13 tokens/s for one request while other work ran, 50-90 for a batch; the
+  whole test module takes ~3 min with the server's start-up.
 """
 
 from __future__ import annotations
@@ -143,7 +161,8 @@ class RequestLog:
 
     @property
     def unfinished(self) -> list[str]:
-        """Requests that arrived and never finished: aborted (or still running)."""
+        """Requests that arrived and never finished: aborted, still running, or refused
+        after they arrived (a context-length 400)."""
         return [rid for rid in self.received if rid not in self.finished]
 
 
@@ -240,6 +259,7 @@ class SGLangServer:
         self.model_name: str | None = None
         self.models_response: dict[str, Any] | None = None
         self.startup_s: float | None = None  # launch to the first /health 200
+        self.stop_s: float | None = None  # SIGTERM to the last process of the group gone
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
 
@@ -398,6 +418,7 @@ class SGLangServer:
             with contextlib.suppress(ValueError):
                 atexit.unregister(self.stop)
             pgid = proc.pid  # start_new_session: the launcher leads its own group
+            stopping = time.monotonic()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -415,6 +436,7 @@ class SGLangServer:
                 time.sleep(0.2)
             if left:
                 raise SGLangServerError(f"SGLang processes {left} outlived SIGKILL")
+            self.stop_s = time.monotonic() - stopping
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -1,0 +1,425 @@
+"""The generate rule against real SGLang: ``generation.backend: openai`` talking to
+``sglang.launch_server`` on CPU (``tests/support/sglang_server.py``, whose docstring lists
+what was checked), serving a tiny random Qwen3 with Qwen3's real thinking template, with the
+``qwen3`` reasoning parser and the ``qwen`` tool-call parser.
+
+One server serves the whole module. What the server sent is recorded into
+``tests/data/sglang/`` (re-record: ``EAGLE3DATA_RECORD_SGLANG=tests/data/sglang
+.venv-sglang/bin/pytest tests/sglang/test_generate_server.py -k sends``, or ``PYTHONPATH=tests
+.venv-sglang/bin/python -m support.sglang_server``); ``tests/unit/test_fake_openai.py``
+holds the fake server to those shapes.
+
+Nothing here asserts generated text (a random model's greedy text is whatever the CPU's
+kernels make of near-ties); the model's lengths are pinned by ``ignore_eos`` where a test
+needs them, and its tool calls by xgrammar (``tool_choice: required``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.sglang_server import (
+    QUESTION,
+    RECORD_ENV,
+    SERVED_MODEL,
+    WEATHER_TOOL,
+    SGLangServer,
+    forced_tool_call_body,
+    json_shape,
+    load_recorded,
+    record_bodies,
+)
+from support.target_models import make_qwen3_dir
+from support.workflow import Workflow, kill_group, new_workflow, sharegpt_prompts, write_prompts
+
+from eagle3data.chat import render
+from eagle3data.prompts.sources import read_prompts, seeded_order
+
+pytestmark = pytest.mark.e2e
+
+ABORTED = "sglang:num_aborted_requests_total"  # appears with the first abort
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_qwen3_dir(tmp_path_factory.mktemp("qwen3") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path) -> Iterator[SGLangServer]:
+    log = tmp_path_factory.mktemp("sglang-server") / "server.log"
+    with SGLangServer(qwen3_dir, log_path=log) as running:
+        print(f"\nSGLang server ready in {running.startup_s:.0f} s (log: {log})")
+        yield running
+    print(f"\nSGLang server stopped in {running.stop_s:.1f} s, no process of it left")
+
+
+@contextlib.contextmanager
+def server_log_on_failure(server: SGLangServer, offset: int) -> Iterator[None]:
+    """An assertion that fails inside gets what the server logged since ``offset``."""
+    try:
+        yield
+    except AssertionError as exc:
+        tail = server.log_text(offset)[-6000:]
+        raise AssertionError(
+            f"{exc}\n--- SGLang server log ({server.log_path}) ---\n{tail}"
+        ) from None
+
+
+def sglang_workflow(
+    tmp_path: Path,
+    model_dir: Path,
+    server: SGLangServer,
+    datasets: dict[str, dict[str, Any]],
+    name: str = "wf",
+    *,
+    chat_template_kwargs: dict[str, Any],
+    **generation: Any,
+) -> Workflow:
+    settings: dict[str, Any] = {
+        "backend": "openai",
+        "endpoints": [server.url],
+        "served_model": server.model_name,
+        "request_timeout_s": 600,
+    }
+    settings.update(generation)
+    return new_workflow(
+        tmp_path,
+        model_dir,
+        datasets,
+        name,
+        model={"chat_template_kwargs": chat_template_kwargs},
+        generation=settings,
+    )
+
+
+def job_log(wf: Workflow, dataset: str) -> str:
+    return wf.path(f"logs/generate/{dataset}.log").read_text(encoding="utf-8")
+
+
+def wait_for_aborts(server: SGLangServer, offset: int, aborted_before: float) -> tuple[Any, int]:
+    """Wait (bounded) until every request the server got since ``offset`` either finished
+    or was counted aborted; returns (its request log, requests aborted since)."""
+    deadline = time.monotonic() + 60
+    while True:
+        log = server.requests_since(offset)
+        aborted = int(server.metrics().get(ABORTED, 0.0) - aborted_before)
+        if aborted >= len(log.unfinished) or time.monotonic() > deadline:
+            return log, aborted
+        time.sleep(0.5)
+
+
+# --------------------------------------------------------------------------- the bodies
+
+
+def test_what_the_server_sends(server: SGLangServer, tokenizer: Any, tmp_path: Path) -> None:
+    """Record every kind of body and check the facts the support module states about them;
+    the committed recordings must still have the shapes the server sends now."""
+    offset = server.log_offset()
+    records = record_bodies(server, tokenizer, os.environ.get(RECORD_ENV) or tmp_path)
+    r = {name: record["response"] for name, record in records.items()}
+    status = {name: record["status"] for name, record in records.items()}
+    with server_log_on_failure(server, offset):
+        [model] = r["models"]["data"]
+        assert (model["id"], model["owned_by"], model["max_model_len"]) == (
+            SERVED_MODEL,
+            "sglang",
+            1024,
+        )
+
+        # Thinking on: what the model wrote before any </think> is reasoning.
+        thinking = r["chat_thinking"]
+        choice, usage = thinking["choices"][0], thinking["usage"]
+        assert choice["finish_reason"] == "length" and usage["completion_tokens"] == 8
+        assert isinstance(choice["message"]["content"], str)  # "", never null
+        assert choice["message"]["reasoning_content"]
+        assert 0 < usage["reasoning_tokens"] <= usage["completion_tokens"]
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": usage["reasoning_tokens"]}
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert {"matched_stop", "logprobs"} <= choice.keys() and "metadata" in thinking
+
+        plain = r["chat_no_thinking"]
+        message = plain["choices"][0]["message"]
+        assert message["reasoning_content"] is None and isinstance(message["content"], str)
+        assert plain["usage"]["reasoning_tokens"] == 0
+        assert plain["usage"]["completion_tokens_details"] is None
+
+        eos = r["chat_stop_eos"]["choices"][0]
+        assert (eos["finish_reason"], eos["matched_stop"]) == ("stop", tokenizer.eos_token_id)
+        assert (
+            eos["message"]["content"] == ""
+            and r["chat_stop_eos"]["usage"]["completion_tokens"] == 1
+        )
+        stop = r["chat_stop_string"]["choices"][0]
+        assert (stop["finish_reason"], stop["matched_stop"]) == ("stop", "Paris")
+        assert "Paris" not in stop["message"]["content"]
+
+        called = r["chat_tool_call"]["choices"][0]
+        assert called["finish_reason"] == "tool_calls" and called["message"]["content"] == ""
+        [call] = called["message"]["tool_calls"]
+        assert call.keys() == {"id", "index", "type", "function"} and call["id"].startswith("call_")
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Berlin")
+
+        # return_token_ids: the ids in the choice, and the prompt is exactly our render.
+        with_ids = r["chat_token_ids"]
+        choice = with_ids["choices"][0]
+        assert len(choice["response_token_ids"]) == with_ids["usage"]["completion_tokens"]
+        ours = render(
+            tokenizer, [{"role": "user", "content": QUESTION}], add_generation_prompt=True
+        )
+        assert choice["prompt_token_ids"] == tokenizer.encode(ours, add_special_tokens=False)
+
+        # History with reasoning, a call and its result is rendered, but every tool gets a
+        # "defer_loading": null that the client never sent (SGLang's Tool model).
+        history = records["chat_history"]
+        messages, tools = history["request"]["messages"], history["request"]["tools"]
+        assert status["chat_history"] == 200
+        assert "I should look it up." in history["prompt_text"]
+        assert "<tool_response>\nsunny\n</tool_response>" in history["prompt_text"]
+        as_sent = render(tokenizer, messages, tools=tools, add_generation_prompt=True)
+        as_sglang = [{**tool, "defer_loading": None} for tool in tools]
+        assert history["prompt_text"] != as_sent
+        assert history["prompt_text"] == render(
+            tokenizer, messages, tools=as_sglang, add_generation_prompt=True
+        )
+
+        # Errors: SGLang's flat body, 400 for a context overflow either way (no clamping).
+        for name in ("error_context_too_long", "error_context_with_max_tokens", "error_malformed"):
+            assert status[name] == 400, name
+            assert r[name].keys() == {"object", "message", "type", "param", "code"}, name
+            assert (r[name]["object"], r[name]["code"]) == ("error", 400), name
+        assert r["error_context_too_long"]["message"].startswith("The input (")
+        assert "context length (1024 tokens)" in r["error_context_too_long"]["message"]
+        assert "maximum context length of 1024" in r["error_context_with_max_tokens"]["message"]
+        assert r["error_malformed"]["type"] == "Bad Request"
+
+    committed = load_recorded()
+    assert committed.keys() == records.keys(), "re-record tests/data/sglang (module docstring)"
+    for name, record in records.items():
+        assert json_shape(record["response"]) == json_shape(committed[name]["response"]), name
+        assert record["status"] == committed[name]["status"], name
+
+
+# --------------------------------------------------------------------------- the generate rule
+
+
+def test_reasoning_usage_budget_and_cancelled_requests(
+    server: SGLangServer, qwen3_dir: Path, tmp_path: Path
+) -> None:
+    """Thinking on, 8 conversations in flight at once, a budget of 2.5 answers: the first
+    two fit; the third decides the prefix while the five multi-turn ones are on their
+    second turn, and those requests must be aborted by the server, not run to the end."""
+    max_tokens = 256
+    draft = write_prompts(
+        tmp_path / "draft.jsonl",
+        [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"{i}"}]} for i in range(8)],
+    )
+    order = [c.id for c in seeded_order(read_prompts(draft, "sharegpt").conversations, 0)]
+    records = []
+    for pos, cid in enumerate(order):
+        turns = [{"from": "human", "value": f"Question {pos}: tell me a long story."}]
+        if pos >= 3:  # three user turns: still generating when the prefix is decided
+            for k in range(2):
+                turns += [{"from": "gpt", "value": "..."}, {"from": "human", "value": f"More {k}."}]
+        records.append({"id": cid, "conversations": turns})
+    prompts = write_prompts(tmp_path / "A1.jsonl", records)
+    budget = int(2.5 * max_tokens)
+    wf = sglang_workflow(
+        tmp_path,
+        qwen3_dir,
+        server,
+        {"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": budget}},
+        chat_template_kwargs={"enable_thinking": True},
+        concurrency=8,
+        sampling={"temperature": 0.0, "max_tokens": max_tokens},
+        extra_body={"ignore_eos": True},  # every turn exactly max_tokens: the plan is fixed
+    )
+    offset, before = server.log_offset(), server.metrics()
+    wf.run("results/responses/A1.jsonl")
+    log, aborted = wait_for_aborts(server, offset, before.get(ABORTED, 0.0))
+
+    with server_log_on_failure(server, offset):
+        rows, stats = wf.responses("A1"), wf.stats("A1")
+        assert [row["id"] for row in rows] == order[:2]
+        assert (stats["stop_reason"], stats["completion_tokens"]) == ("token_budget", 512)
+        for row in rows:
+            user, answer = row["messages"]
+            assert user["role"] == "user" and answer["role"] == "assistant"
+            # The parser's split: reasoning apart, no think tag in either field.
+            assert answer["reasoning_content"] and "<think>" not in answer["reasoning_content"]
+            assert "</think>" not in answer["content"] + answer["reasoning_content"]
+            [turn] = row["turns"]
+            assert turn == {
+                "finish_reason": "length",
+                "prompt_tokens": turn["prompt_tokens"],
+                "completion_tokens": max_tokens,  # the server's usage, reasoning included
+            }
+            assert row["usage"]["completion_tokens"] == max_tokens
+        # The third answer was generated and did not fit: waste; the rest was cancelled.
+        assert stats["generated_tokens_total"] == 3 * max_tokens
+        assert stats["waste_tokens"] == max_tokens
+        [cancelled] = re.findall(r"A1: cancelled (\d+) requests in flight", job_log(wf, "A1"))
+        assert int(cancelled) == 5
+
+        # Server side: the 8 first turns ran to the end; every request we dropped (the
+        # second turns, at most one per cancelled conversation) was aborted, none finished.
+        assert sorted(log.finished.values()) == [("length", max_tokens)] * 8
+        assert 1 <= len(log.unfinished) <= 5
+        assert aborted == len(log.unfinished)
+        after = server.metrics()
+        partial = after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"]
+        partial -= sum(tokens for _, tokens in log.finished.values())
+        assert 0 <= partial < len(log.unfinished) * max_tokens, "aborted before their end"
+    print(
+        f"\ncancelled {cancelled} conversations; the server aborted {aborted} requests after "
+        f"{partial:.0f} of their tokens (at most {len(log.unfinished) * max_tokens})"
+    )
+
+
+def tool_prompts() -> list[dict[str, Any]]:
+    def call(cid: str, city: str) -> dict[str, Any]:
+        arguments = json.dumps({"city": city})
+        return {
+            "id": cid,
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments},
+        }
+
+    def result(cid: str, text: str) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": cid, "name": "get_weather", "content": text}
+
+    ask = {"role": "user", "content": "What is the weather in Paris?"}
+    return [
+        {"id": "t0", "messages": [ask], "tools": [WEATHER_TOOL]},
+        {
+            "id": "t1",
+            "messages": [
+                ask,
+                {"role": "assistant", "content": "", "tool_calls": [call("src_1", "Paris")]},
+                result("src_1", "sunny"),
+                {"role": "assistant", "content": "It is sunny."},
+            ],
+            "tools": [WEATHER_TOOL],
+        },
+        {
+            "id": "t2",  # the source called twice; the regenerated turn calls once
+            "messages": [
+                ask,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [call("src_a", "Paris"), call("src_b", "Berlin")],
+                },
+                result("src_a", "sunny"),
+                result("src_b", "rainy"),
+                {"role": "assistant", "content": "Sunny and rainy."},
+            ],
+            "tools": [WEATHER_TOOL],
+        },
+    ]
+
+
+def test_tool_calls_are_parsed_into_the_rows(
+    server: SGLangServer, qwen3_dir: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    """Thinking off, the call forced by xgrammar: each regenerated turn is a parsed call.
+    The source's tool result answers the regenerated call (its id relinked); where the
+    counts differ the results stay as given, and SGLang (Qwen3) accepts that history."""
+    prompts = tmp_path / "T1.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in tool_prompts()), encoding="utf-8")
+    wf = sglang_workflow(
+        tmp_path,
+        qwen3_dir,
+        server,
+        {"T1": {"path": str(prompts), "format": "messages"}},
+        chat_template_kwargs={"enable_thinking": False},
+        concurrency=3,
+        sampling={"temperature": 0.0, "max_tokens": 128},
+        extra_body=forced_tool_call_body(tokenizer),
+    )
+    offset = server.log_offset()
+    wf.run("results/responses/T1.jsonl")
+    with server_log_on_failure(server, offset):
+        rows = {row["id"]: row for row in wf.responses("T1")}
+        assert rows.keys() == {"t0", "t1", "t2"}
+        assert wf.path("results/responses/T1.errors.jsonl").read_text() == ""
+        for row in rows.values():
+            assert row["tools"] == [WEATHER_TOOL]
+            answers = [m for m in row["messages"] if m["role"] == "assistant"]
+            assert len(answers) == len(row["turns"]) == {"t0": 1, "t1": 2, "t2": 2}[row["id"]]
+            for answer, turn in zip(answers, row["turns"], strict=True):
+                [call] = answer["tool_calls"]  # parallel_tool_calls: false
+                assert answer["content"] == "" and call["type"] == "function"
+                assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
+                assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Berlin")
+                assert turn["finish_reason"] == "tool_calls" and turn["completion_tokens"] > 0
+                assert "usage_source" not in turn
+        _, first, tool, second = rows["t1"]["messages"]
+        assert tool == {
+            "role": "tool",
+            "tool_call_id": first["tool_calls"][0]["id"],  # relinked to the regenerated call
+            "name": "get_weather",
+            "content": "sunny",
+        }
+        assert second["tool_calls"][0]["id"] != first["tool_calls"][0]["id"]  # random ids
+        # One regenerated call, two source results: as given, and not refused.
+        results = [m for m in rows["t2"]["messages"] if m["role"] == "tool"]
+        assert [m["tool_call_id"] for m in results] == ["src_a", "src_b"]
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_output(
+    server: SGLangServer, qwen3_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL the whole Snakemake process tree mid-generation: the server aborts what the
+    dead job had in flight, and unlock + the same command finishes with the file an
+    uninterrupted run against the same server wrote (greedy SGLang on this CPU does not
+    depend on the batch: see the support module)."""
+    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(10))
+    datasets = {"A1": {"path": str(prompts), "format": "sharegpt"}}
+    options: dict[str, Any] = {
+        "chat_template_kwargs": {"enable_thinking": False},
+        "concurrency": 2,
+        "sampling": {"temperature": 0.0, "max_tokens": 48},
+        "extra_body": {"ignore_eos": True},
+    }
+    reference = sglang_workflow(tmp_path, qwen3_dir, server, datasets, "reference", **options)
+    reference.run("results/responses/A1.jsonl")
+
+    wf = sglang_workflow(tmp_path, qwen3_dir, server, datasets, "killed", **options)
+    target = "results/responses/A1.jsonl"
+    offset, before = server.log_offset(), server.metrics()
+    proc = wf.start(target)
+    deadline = time.monotonic() + 300
+    while len(wf.journal_lines("A1")) < 3:
+        assert proc.poll() is None, "generation finished before it could be killed"
+        assert time.monotonic() < deadline, "no progress in 300 s"
+        time.sleep(0.05)
+    assert kill_group(proc, signal.SIGKILL) != 0
+    partial = wf.journal_lines("A1")
+    assert len(partial) < 10 and not wf.path(target).exists(), "no partial declared output"
+    log, aborted = wait_for_aborts(server, offset, before.get(ABORTED, 0.0))
+    with server_log_on_failure(server, offset):
+        assert aborted == len(log.unfinished), "what the dead job had in flight was aborted"
+    print(f"\nkilled after {len(partial)} of 10 records; the server aborted {aborted} requests")
+
+    wf.run("--unlock")
+    wf.run(target)
+    wf.assert_resumed("A1", partial, reference)
+    assert wf.stats("A1")["in_output"] == 10

@@ -23,8 +23,11 @@ Start-up and stop
   does not count.
 * ``--enable-metrics`` needs ``prometheus_client`` (not among sglang's CPU-path imports
   otherwise); then ``/metrics`` has ``sglang:num_requests_total`` (every request, aborted
-  ones included), ``sglang:num_aborted_requests_total`` and
-  ``sglang:generation_tokens_total`` (aborted requests' partial tokens included).
+  ones included), ``sglang:num_aborted_requests_total`` (counted when the tokenizer
+  manager sends the abort, only for a request it still holds, i.e. not finished: code) and
+  ``sglang:generation_tokens_total`` (an aborted request's tokens only when its abort
+  output arrives while its state still exists: seen once, not another time; no measure of
+  what aborted requests decoded).
 * ``--log-requests --log-requests-level 0`` logs one ``Receive: obj=GenerateReqInput(rid=...``
   line per request and one ``Finish: ... out={'meta_info': {... 'finish_reason': {'type':
   ...}, ... 'completion_tokens': N ...`` line per request that finished; an aborted request
@@ -94,10 +97,9 @@ Cancellation
   ``tokenizer_manager`` wakes every ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT`` seconds (default 4)
   while the request waits or runs, sees the closed connection and sends the scheduler an
   abort (running, or still queued) (code): up to that long of decoding is wasted per
-  request (seen with the default: 3 requests dropped 6 s into 300-token answers ran ~286
-  tokens each). The tests set 1 s. [T: every request our client dropped, mid-decode or at
-  a SIGKILL of the job, is counted in ``num_aborted_requests_total`` and never finishes,
-  after fewer tokens than a full answer]
+  request (seen once with the default, by /metrics: 3 requests dropped 6 s into
+  300-token answers had decoded ~286 tokens each when aborted). The tests set 1 s. [T: every request our client dropped, mid-decode or at
+  a SIGKILL of the job, is counted in ``num_aborted_requests_total`` and never finishes]
 * Greedy output did not depend on the batch: 8 prompts alone, 8 at once and 8 at once in
   the reverse order gave the same tokens (64 each). [T: an interrupted run resumed equals an
   uninterrupted one]

@@ -98,8 +98,9 @@ Cancellation
   while the request waits or runs, sees the closed connection and sends the scheduler an
   abort (running, or still queued) (code): up to that long of decoding is wasted per
   request (seen once with the default, by /metrics: 3 requests dropped 6 s into
-  300-token answers had decoded ~286 tokens each when aborted). The tests set 1 s. [T: every request our client dropped, mid-decode or at
-  a SIGKILL of the job, is counted in ``num_aborted_requests_total`` and never finishes]
+  300-token answers had decoded ~286 tokens each when aborted). The tests set 1 s.
+  [T: every request our client dropped, decoding or waiting, at a reached budget or at a
+  SIGKILL of the job, is counted in ``num_aborted_requests_total`` and never finishes]
 * Greedy output did not depend on the batch: 8 prompts alone, 8 at once and 8 at once in
   the reverse order gave the same tokens (64 each). [T: an interrupted run resumed equals an
   uninterrupted one]

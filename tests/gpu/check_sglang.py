@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.metadata
-import importlib.util
 import json
 import os
 import sys
@@ -646,14 +645,16 @@ def sglang_problem(device: str = "cuda") -> str | None:
 
         return cpu_problem()
 
-    if importlib.util.find_spec("sglang") is None:
+    # The distribution, not find_spec: tests/ is on sys.path and tests/sglang/ would match.
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
         return (
             f"sglang is not installed (pip install -e '.[gpu]' -c constraints/gpu.txt, "
             f"sglang>={MIN_SGLANG})"
         )
     from packaging.version import Version
 
-    version = importlib.metadata.version("sglang")
     if Version(version) < Version(MIN_SGLANG):
         return f"sglang {version} is installed; the aux-hidden-state capture needs >= {MIN_SGLANG}"
     if not torch.cuda.is_available():

@@ -6,7 +6,7 @@ One case per target: the shrunken Llama, and the shrunken Kimi-K2.5 in its shipp
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import shutil
 import subprocess
 import sys
@@ -18,7 +18,11 @@ CHECK = Path(__file__).with_name("check_sglang.py")
 
 
 def _has_cuda_and_sglang() -> bool:
-    if shutil.which("nvidia-smi") is None or importlib.util.find_spec("sglang") is None:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:  # the distribution: tests/sglang/ is importable as a namespace package
+        importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
         return False
     import torch
 

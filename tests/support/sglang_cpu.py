@@ -26,7 +26,6 @@ imports of ``tests/sglang/requirements.txt`` at the versions of ``constraints/gp
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,9 +47,12 @@ CPU_ENGINE_ARGS: dict[str, Any] = {
 
 def sglang_problem() -> str | None:
     """Why real SGLang cannot run in this interpreter, or None."""
-    if importlib.util.find_spec("sglang") is None:
+    # The distribution, not find_spec("sglang"): with tests/ on sys.path (pytest's
+    # pythonpath), tests/sglang/ itself is an importable namespace package.
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
         return f"sglang is not installed here (the SGLang suite: {SETUP_COMMAND})"
-    version = importlib.metadata.version("sglang")
     if version != SGLANG_VERSION:
         return f"sglang {version} is installed; the CPU suite is checked on {SGLANG_VERSION}"
     return None

@@ -73,6 +73,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests"))
 
+from support.target_models import K25_ROPE_PARAMETERS  # noqa: E402 (needs the path above)
+
 # Tolerances for bf16 with different kernels (flashinfer/fused norms vs eager torch).
 MIN_COSINE = 0.99
 MAX_REL_ABS_DIFF = 0.05  # max |a - b| / max |b|
@@ -112,16 +114,7 @@ K25_TEXT: dict[str, Any] = {
     "qk_rope_head_dim": 64,
     "v_head_dim": 128,
     "max_position_embeddings": 262144,
-    "rope_parameters": {
-        "rope_type": "yarn",
-        "rope_theta": 50000.0,
-        "factor": 64.0,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
+    "rope_parameters": K25_ROPE_PARAMETERS,
     "num_nextn_predict_layers": 0,
     "tie_word_embeddings": False,
     # In every DeepSeek-V3 / K2 config.json; transformers' DeepseekV3Config does not write it,

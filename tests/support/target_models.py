@@ -387,6 +387,18 @@ _KIMI_CORPUS = [
 _KIMI_CORPUS_REPEATS = 3
 _KIMI_MAX_MERGES = 800
 
+# K2.5's YaRN, as its config.json (text_config.rope_parameters) has it.
+K25_ROPE_PARAMETERS: dict[str, Any] = {
+    "rope_type": "yarn",
+    "rope_theta": 50000.0,
+    "factor": 64.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
 _KIMI_MODEL_SIZES: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -406,18 +418,8 @@ _KIMI_MODEL_SIZES: dict[str, Any] = {
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
     "max_position_embeddings": 262144,  # K2.5's, which its YaRN factor implies
-    # K2.5's YaRN (config.json rope_parameters): SGLang's CPU RoPE for DeepSeek models takes
-    # only deepseek_yarn, and every K2.x checkpoint ships it.
-    "rope_parameters": {
-        "rope_type": "yarn",
-        "rope_theta": 50000.0,
-        "factor": 64.0,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
+    # SGLang's CPU RoPE for DeepSeek models takes only (deepseek_)yarn, which K2.x ships.
+    "rope_parameters": K25_ROPE_PARAMETERS,
     "num_nextn_predict_layers": 0,
     # As in K2.5's config.json (DeepSeek-V3's router keys): transformers' DeepseekV3Config
     # neither needs nor writes them, SGLang's deepseek_v2 reads them.

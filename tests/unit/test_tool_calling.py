@@ -521,8 +521,9 @@ def test_tool_calls_are_parsed_into_the_normalised_form() -> None:
 
 
 class ToolServer(FakeOpenAIServer):
-    """The fake server, answering a question with a tool call when tools are offered
-    (SGLang with a --tool-call-parser: content null, finish_reason "tool_calls")."""
+    """The fake server, answering a question with a tool call when tools are offered, with
+    content null as OpenAI's API sends it (SGLang 0.5.23 sends "": the fake's own
+    call_tools and tests/data/sglang/chat_tool_call.json), finish_reason "tool_calls"."""
 
     def __init__(self, *, usage: bool = True, **options: Any) -> None:
         super().__init__(**options)

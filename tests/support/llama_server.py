@@ -101,17 +101,13 @@ import contextlib
 import importlib.util
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.error
 import urllib.request
-from pathlib import Path
-from types import TracebackType
-from typing import Any
+from typing import Unpack
+
+# free_port and post_json live in local_server now; still importable from here (tests do).
+from support.local_server import LocalServer, LocalServerError, ServerOptions
+from support.local_server import free_port as free_port
+from support.local_server import post_json as post_json
 
 DEFAULT_ALIAS = "smollm2"
 
@@ -199,50 +195,39 @@ def llama_server_available() -> bool:
         return False
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.lower() not in _SERVER_ENV_NAMES}
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
-def post_json(url: str, body: Any, *, timeout: float = 300.0) -> tuple[int, Any]:
-    """POST JSON with urllib; returns (HTTP status, parsed JSON or raw text), 4xx/5xx too."""
-    data = json.dumps(body).encode("utf-8")
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    text = raw.decode("utf-8", errors="replace")
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text
-
-
-class LlamaServerError(RuntimeError):
+class LlamaServerError(LocalServerError):
     """The server died or did not come up in time; the message ends with its log tail."""
 
 
-class LlamaServer:
+class LlamaServer(LocalServer):
     """``python -m llama_cpp.server`` on 127.0.0.1 as a context manager.
 
     >>> with LlamaServer(find_demo_gguf()) as server:
     ...     server.url         # "http://127.0.0.1:PORT/v1"
     ...     server.model_name  # "smollm2" (the alias, as /v1/models reports it)
 
-    The server runs in its own process group (session); leaving the block sends
-    SIGTERM to the whole group, then SIGKILL after ``stop_timeout`` seconds. Its
-    stdout and stderr go to ``log_path`` (a temp file unless given).
+    The server runs in its own process group (session); leaving the block (or the
+    interpreter) sends SIGTERM to the whole group, then SIGKILL after ``stop_timeout``
+    seconds. Its stdout and stderr go to ``log_path`` (a temp file unless given).
+    ``base_url`` (no ``/v1``) is for the ``/extras/*`` routes.
     """
+
+    error = LlamaServerError
+    log_prefix = "llama-server-"
+    log_tail_chars = 4000
+    poll_interval = 0.2
+    default_startup_timeout = 120.0
+    default_stop_timeout = 10.0
+    exited_message = "llama_cpp.server exited with code {code} before answering GET {url}/models"
+    not_ready_message = (
+        "llama_cpp.server did not answer GET {url}/models within {timeout:g} s (last error: {last})"
+    )
 
     def __init__(
         self,
@@ -255,13 +240,9 @@ class LlamaServer:
         verbose: bool = False,
         interrupt_requests: bool = False,
         logits_all: bool = False,
-        extra_args: tuple[str, ...] | list[str] = (),
-        startup_timeout: float = 120.0,
-        stop_timeout: float = 10.0,
-        log_path: str | os.PathLike[str] | None = None,
-        python: str | None = None,
+        **options: Unpack[ServerOptions],
     ) -> None:
-        self.model = Path(model)
+        super().__init__(model, **options)
         self.alias = alias
         self.n_ctx = n_ctx
         self.n_threads = n_threads
@@ -269,39 +250,10 @@ class LlamaServer:
         self.verbose = verbose
         self.interrupt_requests = interrupt_requests
         self.logits_all = logits_all
-        self.extra_args = list(extra_args)
-        self.startup_timeout = startup_timeout
-        self.stop_timeout = stop_timeout
-        self.python = python or sys.executable
-        self._own_log = log_path is None
-        self.log_path = Path(log_path) if log_path is not None else None
-        self.port: int | None = None
-        self.model_name: str | None = None
-        self.models_response: dict[str, Any] | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file: Any = None
-
-    # -- addresses ---------------------------------------------------------------------
-
-    @property
-    def base_url(self) -> str:
-        """``http://127.0.0.1:PORT`` (no ``/v1``), for the ``/extras/*`` routes."""
-        if self.port is None:
-            raise LlamaServerError("the server is not started")
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        """The OpenAI base URL: ``http://127.0.0.1:PORT/v1``."""
-        return f"{self.base_url}/v1"
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        self._own_log = self.log_path is None  # a temp file start() makes, see cleanup_log
 
     def command(self) -> list[str]:
-        if self.port is None:
-            raise LlamaServerError("no port chosen yet")
+        port = self._chosen_port()
         return [
             self.python,
             "-m",
@@ -313,7 +265,7 @@ class LlamaServer:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self.port),
+            str(port),
             "--n_ctx",
             str(self.n_ctx),
             "--n_threads",
@@ -338,115 +290,24 @@ class LlamaServer:
             *self.extra_args,
         ]
 
-    def log_tail(self, n_chars: int = 4000) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return "(no log)"
-        data = self.log_path.read_bytes()[-n_chars:]
-        return data.decode("utf-8", errors="replace")
+    def env(self) -> dict[str, str]:
+        return _child_env()
 
-    # -- lifecycle ---------------------------------------------------------------------
-
-    def start(self) -> LlamaServer:
-        if self._proc is not None:
-            raise LlamaServerError("already started")
+    def _check_model(self) -> None:
         if not self.model.is_file():
             raise FileNotFoundError(f"GGUF not found: {self.model}")
-        if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        self.port = free_port()
-        self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self._proc = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            env=_child_env(),
-            start_new_session=True,
-        )
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
-    def _wait_ready(self) -> None:
-        assert self._proc is not None
-        deadline = time.monotonic() + self.startup_timeout
-        last_error: str = ""
-        while True:
-            code = self._proc.poll()
-            if code is not None:
-                raise LlamaServerError(
-                    f"llama_cpp.server exited with code {code} before answering "
-                    f"GET {self.url}/models\n--- log tail ({self.log_path}) ---\n"
-                    f"{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(f"{self.url}/models", timeout=5) as resp:
-                    body = json.loads(resp.read())
-                data = body.get("data") or []
-                self.models_response = body
-                self.model_name = data[0]["id"] if data else self.alias
-                return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-                last_error = repr(exc)
-            if time.monotonic() > deadline:
-                raise LlamaServerError(
-                    f"llama_cpp.server did not answer GET {self.url}/models within "
-                    f"{self.startup_timeout:g} s (last error: {last_error})\n"
-                    f"--- log tail ({self.log_path}) ---\n{self.log_tail()}"
-                )
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        """Terminate the whole process group: SIGTERM, then SIGKILL. Idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            try:
-                pgid = os.getpgid(proc.pid)
-            except ProcessLookupError:
-                pgid = None
-            if pgid is not None and pgid != os.getpgid(0):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGTERM)
-            else:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.terminate()
-            try:
-                proc.wait(timeout=self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                if pgid is not None and pgid != os.getpgid(0):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(pgid, signal.SIGKILL)
-                else:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-                proc.wait(timeout=self.stop_timeout)
-            # Reap anything else left in the group (the server spawns no children
-            # today, but a future version might).
-            if pgid is not None and pgid != os.getpgid(0):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+    def _probe(self) -> str | None:
+        # The first /v1/models answer is both the readiness signal and the model's name.
+        with urllib.request.urlopen(f"{self.url}/models", timeout=5) as resp:
+            body = json.loads(resp.read())
+        data = body.get("data") or []
+        self.models_response = body
+        self.model_name = data[0]["id"] if data else self.alias
+        return None
 
     def cleanup_log(self) -> None:
         """Delete the log file if this object created it."""
         if self._own_log and self.log_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.log_path.unlink()
-
-    def __enter__(self) -> LlamaServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -111,7 +111,6 @@ Cancellation
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -126,10 +125,15 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
-from support.llama_server import free_port, post_json
+from support.local_server import (
+    LocalServer,
+    LocalServerError,
+    ServerOptions,
+    post_json,
+    signal_group,
+)
 from support.sglang_cpu import CPU_ENGINE_ARGS, sglang_env
 
 SERVED_MODEL = "tiny-qwen3"
@@ -139,7 +143,7 @@ RECORDED_DIR = Path(__file__).resolve().parents[1] / "data" / "sglang"
 RECORD_ENV = "EAGLE3DATA_RECORD_SGLANG"
 
 
-class SGLangServerError(RuntimeError):
+class SGLangServerError(LocalServerError):
     """The server died or did not come up in time; the message ends with its log tail."""
 
 
@@ -219,7 +223,7 @@ def group_processes(pgid: int) -> list[int]:
     return live
 
 
-class SGLangServer:
+class SGLangServer(LocalServer):
     """``python -m sglang.launch_server`` on 127.0.0.1, CPU, as a context manager.
 
     >>> with SGLangServer(make_qwen3_dir(tmp / "qwen3")) as server:
@@ -230,7 +234,19 @@ class SGLangServer:
     the block (or the interpreter) sends SIGTERM to the whole group, SIGKILL after
     ``stop_timeout`` seconds, and waits until no process of the group is left. Its output
     goes to ``log_path`` (a temp file unless given); :meth:`log_tail` for failure messages.
+    ``base_url`` (no ``/v1``) is for ``/health`` and ``/metrics``.
     """
+
+    error = SGLangServerError
+    log_prefix = "sglang-server-"
+    log_tail_chars = 6000
+    poll_interval = 1.0
+    default_startup_timeout = 900.0
+    default_stop_timeout = 60.0
+    exited_message = "sglang.launch_server exited with code {code} before GET /health answered 200"
+    not_ready_message = (
+        "sglang.launch_server did not answer GET /health within {timeout:g} s (last: {last})"
+    )
 
     def __init__(
         self,
@@ -241,57 +257,23 @@ class SGLangServer:
         tool_call_parser: str | None = "qwen",
         mem_fraction_static: float = 0.05,
         request_state_wait_timeout_s: int | None = 1,
-        extra_args: Sequence[str] = (),
-        startup_timeout: float = 900.0,
-        stop_timeout: float = 60.0,
-        log_path: str | os.PathLike[str] | None = None,
-        python: str | None = None,
+        **options: Unpack[ServerOptions],
     ) -> None:
-        self.model = Path(model)
+        # startup_s: launch to the first /health 200; stop_s: SIGTERM to the last process
+        # of the group gone.
+        super().__init__(model, **options)
         self.served_model_name = served_model_name
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
         self.mem_fraction_static = mem_fraction_static
         self.request_state_wait_timeout_s = request_state_wait_timeout_s
-        self.extra_args = list(extra_args)
-        self.startup_timeout = startup_timeout
-        self.stop_timeout = stop_timeout
-        self.python = python or sys.executable
-        self.log_path = Path(log_path) if log_path is not None else None
-        self.port: int | None = None
-        self.model_name: str | None = None
-        self.models_response: dict[str, Any] | None = None
-        self.startup_s: float | None = None  # launch to the first /health 200
-        self.stop_s: float | None = None  # SIGTERM to the last process of the group gone
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file: Any = None
-
-    # -- addresses ---------------------------------------------------------------------
-
-    @property
-    def base_url(self) -> str:
-        """``http://127.0.0.1:PORT`` (no ``/v1``): ``/health``, ``/metrics``."""
-        if self.port is None:
-            raise SGLangServerError("the server is not started")
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        """The OpenAI base URL: ``http://127.0.0.1:PORT/v1``."""
-        return f"{self.base_url}/v1"
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
 
     def command(self) -> list[str]:
-        if self.port is None:
-            raise SGLangServerError("no port chosen yet")
         args: dict[str, Any] = {
             "model_path": self.model,
             "served_model_name": self.served_model_name,
             "host": "127.0.0.1",
-            "port": self.port,
+            "port": self._chosen_port(),
             **CPU_ENGINE_ARGS,
             "mem_fraction_static": self.mem_fraction_static,
             "reasoning_parser": self.reasoning_parser,
@@ -324,9 +306,6 @@ class SGLangServer:
         """Where the log ends now: pass to :meth:`requests_since`."""
         return self.log_path.stat().st_size if self.log_path and self.log_path.exists() else 0
 
-    def log_tail(self, n_chars: int = 6000) -> str:
-        return self.log_text()[-n_chars:] or "(no log)"
-
     def requests_since(self, offset: int) -> RequestLog:
         return parse_request_log(self.log_text(offset))
 
@@ -351,109 +330,47 @@ class SGLangServer:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def start(self) -> SGLangServer:
-        if self._proc is not None:
-            raise SGLangServerError("already started")
+    def _check_model(self) -> None:
         if not (self.model / "config.json").is_file():
             raise FileNotFoundError(f"no model directory at {self.model}")
-        if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        self.port = free_port()
-        self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        started = time.monotonic()
-        self._proc = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            env=self.env(),
-            start_new_session=True,
-        )
-        atexit.register(self.stop)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        self.startup_s = time.monotonic() - started
-        return self
 
-    def _wait_ready(self) -> None:
-        assert self._proc is not None
-        deadline = time.monotonic() + self.startup_timeout
-        last = ""
-        while True:
-            code = self._proc.poll()
-            if code is not None:
-                raise SGLangServerError(
-                    f"sglang.launch_server exited with code {code} before GET /health "
-                    f"answered 200\n--- log tail ({self.log_path}) ---\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=10) as resp:
-                    if resp.status == 200:
-                        break
-            except urllib.error.HTTPError as exc:
-                exc.close()
-                last = f"HTTP {exc.code}"  # 503 while warming up
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-                last = repr(exc)
-            if time.monotonic() > deadline:
-                raise SGLangServerError(
-                    f"sglang.launch_server did not answer GET /health within "
-                    f"{self.startup_timeout:g} s (last: {last})\n"
-                    f"--- log tail ({self.log_path}) ---\n{self.log_tail()}"
-                )
-            time.sleep(1.0)
+    def _probe(self) -> str | None:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=10) as resp:
+                if resp.status != 200:
+                    return f"HTTP {resp.status}"
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return f"HTTP {exc.code}"  # 503 while warming up
+        # /health says nothing of the model: its name comes from /v1/models.
         status, body = self.get("/v1/models")
         if status != 200 or not isinstance(body, dict):
             raise SGLangServerError(f"GET /v1/models -> {status}: {body!r}")
         self.models_response = body
         self.model_name = body["data"][0]["id"]
+        return None
 
-    def stop(self) -> None:
+    def _stop_group(self, proc: subprocess.Popen[bytes]) -> None:
         """SIGTERM the whole process group, SIGKILL what is left after ``stop_timeout``,
-        and wait until none of its processes is alive. Idempotent."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            with contextlib.suppress(ValueError):
-                atexit.unregister(self.stop)
-            pgid = proc.pid  # start_new_session: the launcher leads its own group
-            stopping = time.monotonic()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=self.stop_timeout)
-            deadline = time.monotonic() + self.stop_timeout
-            while (left := group_processes(pgid)) and time.monotonic() < deadline:
-                time.sleep(0.5)
-            if left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=30)
-            deadline = time.monotonic() + 30
-            while (left := group_processes(pgid)) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if left:
-                raise SGLangServerError(f"SGLang processes {left} outlived SIGKILL")
-            self.stop_s = time.monotonic() - stopping
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-
-    def __enter__(self) -> SGLangServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        and wait until none of its processes is alive."""
+        pgid = proc.pid  # start_new_session: the launcher leads its own group
+        signal_group(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=self.stop_timeout)
+        # The scheduler and detokenizer are the launcher's children: the launcher gone
+        # is not the server gone.
+        deadline = time.monotonic() + self.stop_timeout
+        while (left := group_processes(pgid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if left:
+            signal_group(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while (left := group_processes(pgid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if left:
+            raise SGLangServerError(f"SGLang processes {left} outlived SIGKILL")
 
 
 # --------------------------------------------------------------------------- recording

@@ -1,0 +1,270 @@
+"""The process plumbing that the real servers of the tests share (:class:`LocalServer`):
+a server started as a child on a free port of 127.0.0.1, in its own session, with its
+output in a log file, polled until ready, and stopped with its whole process group.
+
+Subclasses (``support.llama_server.LlamaServer``, ``support.sglang_server.SGLangServer``)
+say what to run (:meth:`LocalServer.command`, :meth:`LocalServer.env`), how to tell that
+it is ready (:meth:`LocalServer._probe`), what their errors and messages are, and how to
+stop what it started when SIGTERM-then-SIGKILL of the group is not enough.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, ClassVar, Self, TypedDict
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def post_json(url: str, body: Any, *, timeout: float = 300.0) -> tuple[int, Any]:
+    """POST JSON with urllib; returns (HTTP status, parsed JSON or raw text), 4xx/5xx too."""
+    data = json.dumps(body).encode("utf-8")
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """``killpg`` that does not mind a group already gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+class ServerOptions(TypedDict, total=False):
+    """The keyword options every :class:`LocalServer` takes (``**options`` of a subclass)."""
+
+    extra_args: Sequence[str]  # appended to command()
+    startup_timeout: float | None  # None: the class's default_startup_timeout
+    stop_timeout: float | None  # None: the class's default_stop_timeout
+    log_path: str | os.PathLike[str] | None  # None: a temp file
+    python: str | None  # None: this interpreter
+
+
+class LocalServerError(RuntimeError):
+    """The server died or did not come up in time; the message ends with its log tail."""
+
+
+class LocalServer:
+    """A server process on 127.0.0.1 as a context manager; subclass it.
+
+    :meth:`start` picks a free port, runs :meth:`command` with :meth:`env` in a new
+    session (so the server leads its own process group) with stdout and stderr in
+    ``log_path`` (a temp file unless given), and calls :meth:`_probe` every
+    ``poll_interval`` seconds until it reports ready, the process exits, or
+    ``startup_timeout`` passes. Leaving the block (or the interpreter) calls :meth:`stop`.
+    A subclass's ``__init__`` takes its own keywords and passes ``**options``
+    (:class:`ServerOptions`) on.
+    """
+
+    # Hooks of the subclass: its error class, the start of its temp log's name, how long
+    # log_tail() is by default, how often _probe() runs, and the two failure messages
+    # (str.format with code / timeout, last, url), each followed by the log tail.
+    error: ClassVar[type[LocalServerError]] = LocalServerError
+    log_prefix: ClassVar[str] = "local-server-"
+    log_tail_chars: ClassVar[int] = 4000
+    poll_interval: ClassVar[float] = 0.2
+    exited_message: ClassVar[str] = "the server exited with code {code} before it was ready"
+    not_ready_message: ClassVar[str] = (
+        "the server was not ready within {timeout:g} s (last error: {last})"
+    )
+    # The defaults of startup_timeout and stop_timeout, which depend on the server.
+    default_startup_timeout: ClassVar[float] = 120.0
+    default_stop_timeout: ClassVar[float] = 10.0
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        extra_args: Sequence[str] = (),
+        startup_timeout: float | None = None,
+        stop_timeout: float | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        python: str | None = None,
+    ) -> None:
+        self.model = Path(model)
+        self.extra_args = list(extra_args)
+        self.startup_timeout = (
+            self.default_startup_timeout if startup_timeout is None else startup_timeout
+        )
+        self.stop_timeout = self.default_stop_timeout if stop_timeout is None else stop_timeout
+        self.python = python or sys.executable
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.port: int | None = None
+        self.model_name: str | None = None
+        self.models_response: dict[str, Any] | None = None
+        self.startup_s: float | None = None  # launch to ready
+        self.stop_s: float | None = None  # the time stop() took to end the process
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    # -- what the subclass says --------------------------------------------------------
+
+    def command(self) -> list[str]:
+        """The server's command line; :attr:`port` is chosen when this is called."""
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        """The server's environment."""
+        raise NotImplementedError
+
+    def _check_model(self) -> None:
+        """Raise FileNotFoundError before launching when :attr:`model` is not there."""
+
+    def _probe(self) -> str | None:
+        """One readiness check: None when ready, else why not (shown on a timeout). A
+        connection error it raises means "not yet" as well."""
+        raise NotImplementedError
+
+    # -- addresses ---------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT`` (no ``/v1``)."""
+        if self.port is None:
+            raise self.error("the server is not started")
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The OpenAI base URL: ``http://127.0.0.1:PORT/v1``."""
+        return f"{self.base_url}/v1"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _chosen_port(self) -> int:
+        """:attr:`port` for :meth:`command`, which has no meaning before one is chosen."""
+        if self.port is None:
+            raise self.error("no port chosen yet")
+        return self.port
+
+    def log_tail(self, n_chars: int | None = None) -> str:
+        """The end of the server's log (``log_tail_chars`` by default), for failure messages."""
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        n = self.log_tail_chars if n_chars is None else n_chars
+        with open(self.log_path, "rb") as f:
+            # Read only the end: a request log grows with every request.
+            f.seek(max(0, f.seek(0, os.SEEK_END) - n))
+            return f.read().decode("utf-8", errors="replace") or "(no log)"
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> Self:
+        if self._proc is not None:
+            raise self.error("already started")
+        self._check_model()
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=self.log_prefix, suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.port = free_port()
+        self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        started = time.monotonic()
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=self.env(),
+            # Its own session and process group: stop() signals the group, so whatever
+            # the server spawns goes too, and a Ctrl-C at the terminal does not reach it.
+            start_new_session=True,
+        )
+        # A server in its own session outlives this interpreter unless stopped.
+        atexit.register(self.stop)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - started
+        return self
+
+    def _failure(self, message: str) -> LocalServerError:
+        return self.error(f"{message}\n--- log tail ({self.log_path}) ---\n{self.log_tail()}")
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.startup_timeout
+        last = ""
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise self._failure(self.exited_message.format(code=code, url=self.url))
+            try:
+                not_ready = self._probe()
+                if not_ready is None:
+                    return
+                last = not_ready
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+                last = repr(exc)
+            if time.monotonic() > deadline:
+                message = self.not_ready_message.format(
+                    timeout=self.startup_timeout, last=last, url=self.url
+                )
+                raise self._failure(message)
+            time.sleep(self.poll_interval)
+
+    def stop(self) -> None:
+        """Terminate the whole process group: SIGTERM, then SIGKILL. Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            atexit.unregister(self.stop)
+            stopping = time.monotonic()
+            self._stop_group(proc)
+            self.stop_s = time.monotonic() - stopping
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def _stop_group(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGTERM the group, SIGKILL it after ``stop_timeout``; ``proc`` is reaped."""
+        pgid = proc.pid  # start_new_session: the server leads its own group
+        signal_group(pgid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            signal_group(pgid, signal.SIGKILL)
+            proc.wait(timeout=self.stop_timeout)
+        # Reap anything else left in the group (children the server spawned).
+        signal_group(pgid, signal.SIGKILL)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -412,7 +412,10 @@ def test_a_killed_run_resumes_to_the_uninterrupted_output(
     assert len(partial) < 10 and not wf.path(target).exists(), "no partial declared output"
     log, aborted = wait_for_aborts(server, offset, before.get(ABORTED, 0.0))
     with server_log_on_failure(server, offset):
-        assert 1 <= aborted == len(log.unfinished), "what the dead job had in flight: aborted"
+        # At least every request left unfinished was aborted. (Equality raced once in four
+        # runs on a loaded machine: a request the dying job had sent can still be counted
+        # aborted after the log was read.)
+        assert aborted >= max(1, len(log.unfinished)), "what the dead job had in flight: aborted"
     print(f"\nkilled after {len(partial)} of 10 records; the server aborted {aborted} requests")
 
     wf.run("--unlock")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.sglang_cpu import sglang_env
+from support.sglang_cpu import CPU_ENGINE_ARGS, sglang_env
 from support.target_models import kimi_text_decoder, make_kimi_dir
 from support.workflow import Workflow, kill_group, new_workflow, sharegpt_prompts, write_prompts
 
@@ -48,10 +48,10 @@ def sglang_workflow(base: Path, model_dir: Path, name: str) -> Workflow:
             "shard_bytes": 120_000,
             "sglang": {
                 "mem_fraction_static": 0.5,
-                # The fixture has no image processor: a text-only engine, as the GPU check.
+                # The CPU engine's options (device is hidden_states.device here); the fixture
+                # has no image processor: a text-only engine, as the GPU check.
                 "extra_args": {
-                    "attention_backend": "torch_native",
-                    "max_total_tokens": 8192,
+                    **{k: v for k, v in CPU_ENGINE_ARGS.items() if k != "device"},
                     "enable_multimodal": False,
                 },
             },

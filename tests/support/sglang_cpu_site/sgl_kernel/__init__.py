@@ -36,7 +36,6 @@ import torch
 
 __version__ = "0.0.0+eagle3data-cpu-stand-in"
 
-IMPLEMENTED = ("assign_req_to_token_pool_cpu",)
 # Imported by SGLang's modules on the CPU path (found by importing the engine and the HTTP
 # server with SGLANG_USE_CPU_ENGINE=1); none is called on a CPU without AMX.
 NOT_IMPLEMENTED = frozenset(

@@ -106,7 +106,7 @@ def test_in_process_engine_splits_reasoning_even_where_think_tags_are_special(
     close = tokenizer.convert_tokens_to_ids("</think>")
     assert close in body and close in tokenizer.all_special_ids  # Kimi marks it special
     assert "</think>" not in tokenizer.decode(body, skip_special_tokens=True)
-    completion = engine._completion(body, prompt_len=10, max_new=64)
+    completion = engine._completion(body, prompt=[0] * 10, max_new=64)
     prompt = "<|im_assistant|>assistant<|im_middle|><think>"
     split = engine._split(prompt, completion)
     assert (split.reasoning_content, split.content) == ("Two and two.", "Four.")
@@ -115,3 +115,24 @@ def test_in_process_engine_splits_reasoning_even_where_think_tags_are_special(
     # cut off before </think> is reasoning.
     (result,) = engine.complete([[{"role": "user", "content": "Hi"}]], seed=0)
     assert result.content == "" and result.reasoning_content
+
+
+def test_in_process_engine_returns_the_ids_it_saw_and_produced(tiny_model_dir: Path) -> None:
+    """What the servers' ``return_token_ids`` give: the rendered prompt's ids, then the
+    generated ids up to and including the EOS, as many as it counts."""
+    from eagle3data.chat import render
+
+    sampling = {"max_tokens": 6, "temperature": 0.0, "stop": [], "repetition_penalty": 1.0}
+    engine = TransformersEngine(str(tiny_model_dir), sampling=sampling)
+    conversation = [{"role": "user", "content": "Hi"}]
+    (result,) = engine.complete([conversation], seed=0)
+    prompt = render(engine.tokenizer, conversation, add_generation_prompt=True)
+    assert result.prompt_ids == engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert result.completion_ids is not None
+    assert len(result.completion_ids) == result.completion_tokens
+    ends_on_eos = result.completion_ids[-1] in engine.eos_ids
+    assert ends_on_eos == (result.finish_reason == "stop")
+    # A finished row's padding is not part of it.
+    body = [5, 6, engine.eos_ids[0], engine.eos_ids[0], engine.eos_ids[0]]
+    done = engine._completion(body, prompt=[1, 2], max_new=5)
+    assert done.completion_ids == [5, 6, engine.eos_ids[0]] and done.prompt_ids == [1, 2]

@@ -435,3 +435,77 @@ def test_sglang_error_bodies_give_their_message() -> None:
     assert _error_message({"error": "Unauthorized"}, '{"error":"Unauthorized"}') == "Unauthorized"
     assert _error_message({"detail": "Not Found"}, "") == "Not Found"
     assert _error_message(None, "<html>bad gateway</html>") == "<html>bad gateway</html>"
+
+
+def _engine(**settings: object) -> OpenAIEngine:
+    http = HttpSettings(endpoints=["http://127.0.0.1:9/v1"], model="m", **settings)  # type: ignore[arg-type]
+    return OpenAIEngine(http, sampling=SAMPLING, seed=0)
+
+
+def test_token_ids_are_asked_for_and_read_in_both_servers_shapes() -> None:
+    from eagle3data.generation.engines.openai_engine import request_body
+
+    body = request_body(
+        [{"role": "user", "content": "hi"}],
+        model="m",
+        sampling=SAMPLING,
+        seed=0,
+        chat_template_kwargs={},
+        extra_body={},
+        return_token_ids=True,
+    )
+    assert body["return_token_ids"] is True
+    recorded = json.loads(
+        (Path(__file__).parents[1] / "data" / "sglang" / "chat_token_ids.json").read_text()
+    )["response"]
+    sglang = _engine()._completion(recorded, "u")
+    choice = recorded["choices"][0]
+    assert sglang.prompt_ids == choice["prompt_token_ids"]
+    assert sglang.completion_ids == choice["response_token_ids"]
+    assert sglang.reasoning_content == choice["message"]["reasoning_content"]
+    # vLLM 0.32: the prompt's ids at the top, the completion's in the choice, the
+    # reasoning in message.reasoning.
+    vllm = {
+        "prompt_token_ids": [1, 2, 3],
+        "choices": [
+            {
+                "message": {"role": "assistant", "content": "x", "reasoning": "because"},
+                "finish_reason": "stop",
+                "token_ids": [7, 8, 2],
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3},
+    }
+    got = _engine()._completion(vllm, "u")
+    assert (got.prompt_ids, got.completion_ids) == ([1, 2, 3], [7, 8, 2])
+    assert got.reasoning_content == "because"
+    # A server that ignores the field: no ids, nothing else changes.
+    del vllm["prompt_token_ids"], vllm["choices"][0]["token_ids"]
+    plain = _engine()._completion(vllm, "u")
+    assert plain.prompt_ids is plain.completion_ids is None and plain.content == "x"
+
+
+def test_malformed_token_ids_are_a_bad_response_shape() -> None:
+    from eagle3data.generation.engines import TransientError
+
+    payload = {
+        "prompt_token_ids": [1, 2],
+        "choices": [{"message": {"content": "x"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 1},
+    }
+    with pytest.raises(TransientError, match="without the completion's"):
+        _engine()._completion(payload, "u")
+    payload["choices"][0]["token_ids"] = ["a"]
+    with pytest.raises(TransientError, match="not a list of integers"):
+        _engine()._completion(payload, "u")
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_token_ids_are_asked_for_unless_turned_off(tmp_path: Path, asked: bool) -> None:
+    with FakeOpenAIServer() as server:
+        result = generate(job(tmp_path, 4), server.url, return_token_ids=asked)
+        bodies = server.requests
+    assert bodies and all(b.get("return_token_ids", False) is asked for b in bodies)
+    # The fake sends no ids: every turn says so, and the run is otherwise the same.
+    assert all(t["token_ids"] is None for r in result.rows for t in r["turns"])
+    assert result.stats["turns_without_token_ids"] == sum(len(r["turns"]) for r in result.rows)

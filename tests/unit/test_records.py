@@ -66,3 +66,30 @@ def test_polars_reads_the_same_counts(stamped: bool) -> None:
     stamps = [100.0, 101.0, 102.0] if stamped else [None, None, None]
     assert summary["finished_at"].to_list() == stamps
     assert summarise_lines(b"").height == 0
+
+
+def test_token_ids_are_stored_once_and_read_back_per_turn() -> None:
+    from eagle3data.generation.records import compact_token_ids, turn_token_ids
+
+    first = ([1, 2, 3], [4, 5])
+    second = ([1, 2, 3, 4, 5, 6, 7], [8])  # extends the first turn: stored as [6, 7]
+    third = ([1, 2, 9], [10])  # the server rendered history otherwise: shares [1, 2]
+    turns: list[dict] = []
+    previous: list[int] = []
+    for prompt, completion in (first, second, third):
+        turns.append({"token_ids": compact_token_ids(previous, prompt, completion)})
+        previous = prompt + completion
+    assert [t["token_ids"]["prompt"] for t in turns] == [[1, 2, 3], [6, 7], [9]]
+    assert [t["token_ids"]["prompt_shared"] for t in turns] == [0, 5, 2]
+    assert turn_token_ids(turns) == [first, second, third]
+    # A turn without ids (a server that ignored the field) and one after it, stored
+    # against nothing; records written before ids were kept have no key at all.
+    turns = [
+        {"token_ids": compact_token_ids([], *first)},
+        {"token_ids": None},
+        {"token_ids": compact_token_ids([], *third)},
+    ]
+    assert turn_token_ids(turns) == [first, None, third]
+    assert turn_token_ids(TURNS) == [None, None]
+    with pytest.raises(ValueError, match="prompt_shared 9 exceeds"):
+        turn_token_ids([{"token_ids": {"prompt_shared": 9, "prompt": [], "completion": []}}])

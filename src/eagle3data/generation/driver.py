@@ -57,6 +57,7 @@ from .journal import JournalWriter, read_journal
 from .records import (
     JournalRecord,
     Turn,
+    compact_token_ids,
     counted_tokens,
     failed_record,
     is_failed,
@@ -133,6 +134,7 @@ class Conversation:
         self.opened = 0  # segments appended to the history so far
         self.turns: list[Turn] = []
         self.failure: str | None = None
+        self._ids_so_far: list[int] = []  # the last turn's prompt then completion ids
 
     def next_request(self) -> list[dict[str, Any]] | None:
         """The history up to the next regeneration point, or None when finished."""
@@ -164,6 +166,14 @@ class Conversation:
         }
         if result.usage_source == "tokenizer":
             turn["usage_source"] = "tokenizer"  # the server reported no usage
+        if result.prompt_ids is None or result.completion_ids is None:
+            turn["token_ids"] = None
+            self._ids_so_far = []
+        else:
+            turn["token_ids"] = compact_token_ids(
+                self._ids_so_far, result.prompt_ids, result.completion_ids
+            )
+            self._ids_so_far = [*result.prompt_ids, *result.completion_ids]
         self.turns.append(turn)
 
     def record(self) -> JournalRecord:
@@ -673,6 +683,7 @@ def _assemble(
     ]
     generated_tokens = sum(spent_tokens(r) for r in records.values())
     truncated = sum(1 for r in rows if any(t["finish_reason"] == "length" for t in r["turns"]))
+    ids = _token_id_counts(job.dataset, rows)
     stats = {
         "dataset": job.dataset,
         "prompts": len(order),
@@ -689,12 +700,48 @@ def _assemble(
         "waste_tokens": generated_tokens - sel.tokens,
         "records_resumed": resumed,
         "records_generated_now": generated_now,
+        **ids,
         "sidecar": str(job.journal),
         "failures": failures,
     }
     # The accounting invariant: every prompt is in exactly one bucket.
     assert stats["in_output"] + stats["failed"] + stats["beyond_limits"] == stats["prompts"]
     return GenerationResult(rows, stats, sel, generated_now, failures, list(records.values()))
+
+
+def _token_id_counts(dataset: str, rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """How many assistant turns of the output kept the engine's token ids, and in how
+    many the ids' length differs from ``usage.completion_tokens`` (which the budget
+    counts): logged, since a server whose usage disagrees with its own ids counts the
+    budget in other units than the data."""
+    with_ids = without = mismatched = 0
+    example = ""
+    for row in rows:
+        for k, turn in enumerate(row["turns"]):
+            ids = turn.get("token_ids")
+            if ids is None:
+                without += 1
+                continue
+            with_ids += 1
+            if len(ids["completion"]) != turn["completion_tokens"]:
+                mismatched += 1
+                example = example or (
+                    f"{row['id']} turn {k + 1}: {len(ids['completion'])} ids, "
+                    f"usage.completion_tokens {turn['completion_tokens']}"
+                )
+    if mismatched:
+        log.warning(
+            "%s: %d turn(s) whose completion ids disagree with usage.completion_tokens "
+            "(the budget counts usage), e.g. %s",
+            dataset,
+            mismatched,
+            example,
+        )
+    return {
+        "turns_with_token_ids": with_ids,
+        "turns_without_token_ids": without,
+        "turns_usage_disagrees_with_ids": mismatched,
+    }
 
 
 def write_outputs(result: GenerationResult, responses: Path) -> None:

@@ -47,6 +47,8 @@ EXECUTION_KEYS = (
     "max_consecutive_failures",
     "max_error_rate",
     "progress_interval_s",
+    # Asks for the ids of what is generated; the text generated is the same either way.
+    "return_token_ids",
 )
 
 

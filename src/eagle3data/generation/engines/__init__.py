@@ -42,6 +42,12 @@ class Completion:
     # Parsed calls in OpenAI wire format, ``{"id", "type": "function", "function":
     # {"name", "arguments"}}`` with ``arguments`` a JSON string; None when there are none.
     tool_calls: list[dict[str, Any]] | None = None
+    # The token ids the target saw and produced for this turn, as the engine reports them
+    # (SGLang and vLLM ``return_token_ids``; the in-process engine always): the prompt as
+    # the engine rendered and tokenized it, then the completion up to and including the
+    # token that ended it. None when the engine reports none.
+    prompt_ids: list[int] | None = None
+    completion_ids: list[int] | None = None
 
 
 class TransientError(Exception):
@@ -154,6 +160,7 @@ def _openai_engine(settings: Mapping[str, Any], execution: Mapping[str, Any]) ->
         request_timeout_s=execution["request_timeout_s"],
         max_retries=execution["max_retries"],
         extra_body=settings["extra_body"],
+        return_token_ids=execution.get("return_token_ids", True),
     )
     return OpenAIEngine(
         http,

@@ -21,6 +21,15 @@ the model's template and, started with the model's ``--tool-call-parser`` (SGLan
 ``message.tool_calls``, which become :attr:`Completion.tool_calls` (``arguments`` kept as
 the JSON string servers send). ``finish_reason: "tool_calls"`` is an ordinary finish.
 A server without a parser leaves the call markup in ``content``, like the in-process engine.
+
+Reasoning: servers started with a reasoning parser send it apart from the content, SGLang
+in ``message.reasoning_content``, vLLM in ``message.reasoning``; both become
+:attr:`Completion.reasoning_content`.
+
+Token ids: every request asks for ``return_token_ids`` (``generation.return_token_ids``),
+and the ids SGLang and vLLM return, the prompt as the server rendered and tokenized it and
+the completion as generated, become :attr:`Completion.prompt_ids` and ``completion_ids``
+(:func:`token_ids_of`); a server that returns none leaves them None.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ class HttpSettings:
     endpoint_pause_s: float = 30.0
     health_check_timeout_s: float = 10.0
     extra_body: Mapping[str, Any] = field(default_factory=dict)
+    return_token_ids: bool = True  # ask for the ids of each turn (see token_ids_of)
 
 
 @dataclass
@@ -139,6 +149,7 @@ def request_body(
     chat_template_kwargs: Mapping[str, Any],
     extra_body: Mapping[str, Any],
     tools: Tools | None = None,
+    return_token_ids: bool = False,
 ) -> dict[str, Any]:
     """The /chat/completions body: OpenAI fields plus the SGLang/vLLM extensions."""
     body: dict[str, Any] = {
@@ -160,6 +171,8 @@ def request_body(
         body["chat_template_kwargs"] = dict(chat_template_kwargs)
     if tools:  # absent otherwise: plain requests stay exactly as they were
         body["tools"] = list(tools)
+    if return_token_ids:  # SGLang and vLLM; servers that do not know it ignore it
+        body["return_token_ids"] = True
     body.update(extra_body)
     return body
 
@@ -202,6 +215,46 @@ def parse_tool_calls(raw: Any) -> list[dict[str, Any]] | None:
             }
         )
     return calls
+
+
+def reasoning_of(message: Mapping[str, Any]) -> str | None:
+    """A response message's parsed reasoning: SGLang's ``reasoning_content``, vLLM's
+    ``reasoning`` (vLLM 0.32 sends no ``reasoning_content``); None when there is none."""
+    for key in ("reasoning_content", "reasoning"):
+        value = message.get(key)
+        if value:
+            if not isinstance(value, str):
+                raise ValueError(f"message.{key} is {type(value).__name__}, expected a string")
+            return value
+    return None
+
+
+def token_ids_of(
+    payload: Mapping[str, Any], choice: Mapping[str, Any]
+) -> tuple[list[int], list[int]] | None:
+    """The (prompt, completion) token ids a server returned for ``return_token_ids``, or
+    None when it returned none (a server that ignores the field).
+
+    SGLang 0.5.23: ``choice.prompt_token_ids`` and ``choice.response_token_ids``; vLLM
+    0.32: top-level ``prompt_token_ids`` and ``choice.token_ids`` (tests/data/sglang/,
+    tests/data/vllm/). Raises ValueError on ids that are not lists of integers, or on one
+    of the two without the other."""
+    prompt = choice.get("prompt_token_ids", payload.get("prompt_token_ids"))
+    completion = choice.get("response_token_ids", choice.get("token_ids"))
+    if prompt is None and completion is None:
+        return None
+    if prompt is None or completion is None:
+        missing = "prompt" if prompt is None else "completion"
+        raise ValueError(f"the response has token ids without the {missing}'s")
+    return _int_list("prompt_token_ids", prompt), _int_list("completion token_ids", completion)
+
+
+def _int_list(name: str, value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
+        raise ValueError(f"{name} is not a list of integers")
+    return value
 
 
 def _error_message(payload: Any, text: str) -> str:
@@ -302,6 +355,7 @@ class OpenAIEngine:
             chat_template_kwargs=self.chat_template_kwargs,
             extra_body=self.settings.extra_body,
             tools=tools,
+            return_token_ids=self.settings.return_token_ids,
         )
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TransientError),
@@ -351,9 +405,10 @@ class OpenAIEngine:
             choice = payload["choices"][0]
             message = choice["message"]
             content = message.get("content") or ""
-            reasoning = message.get("reasoning_content") or None
+            reasoning = reasoning_of(message)
             tool_calls = parse_tool_calls(message.get("tool_calls"))
             finish = choice.get("finish_reason") or "unknown"
+            ids = token_ids_of(payload, choice)
         except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
             raise TransientError(f"{url}: unexpected response shape ({exc!r})") from None
         if finish == "abort":  # SGLang: the scheduler dropped the request; ask again
@@ -377,6 +432,8 @@ class OpenAIEngine:
             reasoning_content=reasoning,
             usage_source=usage_source,
             tool_calls=tool_calls,
+            prompt_ids=ids[0] if ids else None,
+            completion_ids=ids[1] if ids else None,
         )
 
 

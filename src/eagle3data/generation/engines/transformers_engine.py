@@ -17,6 +17,10 @@ returned. A later turn's history therefore carries the markup as text, which tem
 render back as the model wrote it. Completions of conversations with tools are decoded
 with special tokens kept, since some families (Kimi) mark their tool-call tokens special.
 
+Token ids: each completion carries the prompt ids it was generated from and the ids it
+generated, up to and including the token that ended it (the EOS, or the one that completed
+a stop string), as SGLang and vLLM return them.
+
 Progress: a batch of long completions can take minutes, and the driver logs only between
 batches, so the engine logs how far the batch in hand has got every
 ``progress_interval_s`` (tokens per conversation so far, conversations finished).
@@ -232,12 +236,12 @@ class TransformersEngine:
         )
         new_tokens = out[:, width:].tolist()
         return [
-            self._completion(tokens, len(p), max_new, keep)
+            self._completion(tokens, p, max_new, keep)
             for tokens, p, keep in zip(new_tokens, prompts, keep_special, strict=True)
         ]
 
     def _completion(
-        self, tokens: list[int], prompt_len: int, max_new: int, keep_special: bool = False
+        self, tokens: list[int], prompt: list[int], max_new: int, keep_special: bool = False
     ) -> Completion:
         # Finished rows are padded (often with the EOS id itself), so the first
         # EOS ends the completion; it is counted, like servers count it.
@@ -265,6 +269,8 @@ class TransformersEngine:
         return Completion(
             content=text,
             finish_reason=reason,
-            prompt_tokens=prompt_len,
+            prompt_tokens=len(prompt),
             completion_tokens=count,
+            prompt_ids=list(prompt),
+            completion_ids=tokens[:count],  # the counted tokens: the EOS included
         )

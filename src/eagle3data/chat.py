@@ -74,6 +74,7 @@ __all__ = [
     "Message",
     "RenderedSample",
     "TokenizedConversation",
+    "TurnRender",
     "chat_template_hash",
     "opens_reasoning",
     "render",
@@ -82,6 +83,7 @@ __all__ = [
     "tokenize_text",
     "tokenizer_hash",
     "training_samples",
+    "turn_renders",
 ]
 
 Message = Mapping[str, Any]
@@ -197,6 +199,54 @@ def training_samples(
     docstring). ``reasoning="drop"`` removes ``reasoning_content`` first, for a draft
     that serves the target with thinking off. ``tools`` as in :func:`render`.
     """
+    full, turns = _renders(tokenizer, messages, chat_template_kwargs, reasoning, tools)
+    spans: list[tuple[int, int]] = []
+    whole = True
+    for turn in turns:
+        start = _common_prefix_len(full, turn.prompt)
+        length = _longest_suffix_at(turn.produced, full, start)
+        spans.append((start, start + length))
+        whole = whole and length == len(turn.produced)
+    if whole:
+        return [RenderedSample(full, spans, None)]
+    return [
+        RenderedSample(
+            t.prompt + t.produced, [(len(t.prompt), len(t.prompt) + len(t.produced))], t.index
+        )
+        for t in turns
+    ]
+
+
+@dataclass(frozen=True)
+class TurnRender:
+    """Assistant turn ``index`` as the template renders it: the prompt the target saw
+    (steps 1-2 of the module docstring) and the text it produced after it."""
+
+    index: int
+    prompt: str
+    produced: str
+
+
+def turn_renders(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    *,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    reasoning: str = "keep",
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[TurnRender]:
+    """Every assistant turn's generation-time view, as in :func:`training_samples`."""
+    return _renders(tokenizer, messages, chat_template_kwargs, reasoning, tools)[1]
+
+
+def _renders(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    chat_template_kwargs: Mapping[str, Any] | None,
+    reasoning: str,
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> tuple[str, list[TurnRender]]:
+    """The whole conversation's render and each assistant turn's :class:`TurnRender`."""
     if reasoning not in REASONING_MODES:
         raise ValueError(f"reasoning must be one of {list(REASONING_MODES)}, got {reasoning!r}")
     conversation = _validated(messages)
@@ -205,27 +255,14 @@ def training_samples(
             {k: v for k, v in m.items() if k != "reasoning_content"} for m in conversation
         ]
     template = _Template(tokenizer, _template_kwargs(chat_template_kwargs), _tools(tools))
-    full = template.render(conversation, False)
-
-    turns: list[tuple[int, str, str]] = []  # (message index, prompt, produced text)
-    spans: list[tuple[int, int]] = []
-    whole = True
+    turns = []
     for i, message in enumerate(conversation):
         if message["role"] != "assistant":
             continue
         prompt = template.render(conversation[:i], True)
         produced = _with_reasoning(i, message, _turn_output(template, conversation, i, prompt))
-        turns.append((i, prompt, produced))
-        start = _common_prefix_len(full, prompt)
-        length = _longest_suffix_at(produced, full, start)
-        spans.append((start, start + length))
-        whole = whole and length == len(produced)
-    if whole:
-        return [RenderedSample(full, spans, None)]
-    return [
-        RenderedSample(prompt + produced, [(len(prompt), len(prompt) + len(produced))], i)
-        for i, prompt, produced in turns
-    ]
+        turns.append(TurnRender(i, prompt, produced))
+    return template.render(conversation, False), turns
 
 
 def tokenize_conversation(

@@ -45,6 +45,10 @@ class ChatTemplateError(UserError, ValueError):
     """A conversation cannot be rendered, or its assistant spans cannot be derived."""
 
 
+class ResponseError(UserError, ValueError):
+    """A response row that cannot be made into training samples (names file and line)."""
+
+
 class AuxLayerError(UserError, ValueError):
     """Aux-layer ids that cannot be right for this model."""
 

@@ -33,8 +33,8 @@ CHECKS = [
     "tokenized samples are the responses in order, each trained (whole or per assistant "
     "turn) or recorded as dropped",
     "aux layer ids and layer count as the config's rule gives them for the model",
-    "a seeded sample of responses, re-rendered and re-tokenized from scratch, equals the "
-    "shards' token ids and loss masks",
+    "a seeded sample of responses, made into samples again from scratch (from the engine's "
+    "token ids, else re-rendered and re-tokenized), equals the shards' token ids and loss masks",
 ]
 AGREEMENT_CHECK = (
     "the target agrees with the tokens it generated: lm_head(last state at t) predicts the "
@@ -122,15 +122,16 @@ def retokenize_errors(
     count: int,
     seed: int = 0,
 ) -> list[str]:
-    """Re-render and re-tokenize a seeded sample of ``count`` responses from scratch
-    (the chat module, the target's tokenizer, the tokenize settings) and compare each
+    """Make a seeded sample of ``count`` responses into samples again from scratch
+    (:func:`..tokenization.samples.tokenize_response`: the engine's token ids, else the
+    chat module's re-render; the target's tokenizer, the tokenize settings) and compare each
     sample with what the shards hold: the end-to-end check of the loss mask and the token
     ids, which the agreement check cannot see (a mask shifted by one token still selects
     tokens the target predicts well)."""
     import numpy as np
 
-    from ..chat import tokenize_conversation
     from ..target import load_tokenizer
+    from ..tokenization.samples import tokenize_response
 
     with open(responses_path, "rb") as fh:
         total = sum(1 for _ in fh)
@@ -141,33 +142,38 @@ def retokenize_errors(
     with open(responses_path, encoding="utf-8") as fh:  # streamed: responses can be GBs
         lines = {n: line for n, line in enumerate(fh) if n in chosen}
     tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
-    # sample id -> (where it comes from, what the chat module gives for it)
-    expected: dict[str, tuple[str, list[int], list[int]]] = {}
+    # sample id -> (where it comes from, what tokenize_response gives for it, from what)
+    expected: dict[str, tuple[str, list[int], list[int], str]] = {}
     for line_no in sorted(lines):
         response = json.loads(lines[line_no])
-        samples = tokenize_conversation(
+        made = tokenize_response(
             tokenizer,
-            response["messages"],
+            response,
             chat_template_kwargs=tokenize["chat_template_kwargs"],
             max_seq_len=tokenize["max_seq_len"],
             reasoning=tokenize["reasoning"],
-            tools=response.get("tools"),
         )
+        samples = made.samples
         for tok in samples:
             if tok.num_loss_tokens:  # else dropped at tokenize time (recorded there)
                 sid = sample_id_of(response["id"], tok.turn, len(samples))
                 origin = f"{responses_path}:{line_no + 1}"
-                expected[sid] = (origin, tok.input_ids, tok.loss_mask)
+                expected[sid] = (origin, tok.input_ids, tok.loss_mask, made.source)
     errors: list[str] = []
     for path in shard_paths:
         with open_shard(path) as shard:
             for i, sid in enumerate(shard.sample_ids):
                 if sid not in expected:
                     continue
-                origin, want_ids, want_mask = expected.pop(sid)
+                origin, want_ids, want_mask, source = expected.pop(sid)
                 rows = slice(int(shard.sample_offsets[i]), int(shard.sample_offsets[i + 1]))
                 where = f"{path} sample {sid!r} ({origin})"
-                if shard.input_ids[rows].tolist() != want_ids:
+                if shard.input_ids[rows].tolist() != want_ids and source == "engine_ids":
+                    errors.append(
+                        f"{where}: its token ids are not the engine's token ids recorded in "
+                        f"the response (tokenized from another responses file?)"
+                    )
+                elif shard.input_ids[rows].tolist() != want_ids:
                     errors.append(
                         f"{where}: its token ids are not what the target's tokenizer gives "
                         f"for the chat template's render of the response (compare the shard "
@@ -175,7 +181,7 @@ def retokenize_errors(
                     )
                 elif (mask := shard.loss_mask[rows].tolist()) != want_mask:
                     errors.append(f"{where}: {_mask_difference(mask, want_mask)}")
-    missing = ((sid, origin) for sid, (origin, _, _) in expected.items())
+    missing = ((sid, origin) for sid, (origin, *_) in expected.items())
     errors.extend(f"{origin}: sample {sid!r} is in no shard" for sid, origin in missing)
     return errors
 
@@ -330,6 +336,9 @@ def validate(
         "num_samples": sum(s["samples"] for s in shards),
         "num_tokens": sum(s["tokens"] for s in shards),
         "num_loss_tokens": tok_stats["loss_tokens"],
+        # How the samples were made: from the engine's token ids, and how many of those
+        # turns the chat template re-renders identically (absent in older stats).
+        "token_ids": tok_stats.get("token_ids"),
         "bytes": sum(Path(p).stat().st_size for p in shard_paths),
         "shards": shards,
         "checks": checks,

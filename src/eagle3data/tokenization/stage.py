@@ -1,9 +1,15 @@
-"""The tokenize stage: render each response with the target's chat template as the
-training samples it makes (the whole conversation, or one per assistant turn when the
-template drops history reasoning; see :mod:`..chat`), tokenize each once with the
-target's own tokenizer and mark what the target produced; samples left with nothing to
-learn are dropped and recorded. A response's ``tools`` are rendered with it, as when it
-was generated; its tool results are prompt, its tool calls supervised."""
+"""The tokenize stage: each response becomes the training samples it makes (the whole
+conversation, or one per assistant turn where history was rendered otherwise than the
+target produced it), built from the token ids the engine returned, checked against the
+chat template's re-render (:mod:`.samples`), or, for rows without ids, rendered with the
+target's chat template and tokenized once with its own tokenizer (:mod:`..chat`); what the
+target produced is marked; samples left with nothing to learn are dropped and recorded.
+A response's ``tools`` are rendered with it, as when it was generated; its tool results
+are prompt, its tool calls supervised.
+
+The stats say how the samples were made (``token_ids``): turns built from the engine's
+ids and from the re-render, and of the former how many the re-render reproduces, how
+many it does not, and where for the first few."""
 
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..atomic import write_json
+from ..errors import ChatTemplateError, ResponseError
+from .samples import ResponseSamples
 from .table import SCHEMA, sample_id_of, write_tokenized
 
 log = logging.getLogger(__name__)
@@ -30,26 +38,34 @@ def tokenize(
     out_tokenized: str,
     out_stats: str,
 ) -> None:
-    from ..chat import chat_template_hash, tokenize_conversation, tokenizer_hash
+    from ..chat import chat_template_hash, tokenizer_hash
     from ..target import load_tokenizer
+    from .samples import tokenize_response
 
     tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
     rows: dict[str, list[Any]] = {k: [] for k in SCHEMA}
     dropped = []
     n_in = 0
     per_turn = 0
+    ids = _IdStats()
     with open(responses_path, encoding="utf-8") as fh:
-        for line in fh:
+        for line_no, line in enumerate(fh, 1):
             n_in += 1
             resp = json.loads(line)
-            samples = tokenize_conversation(
-                tokenizer,
-                resp["messages"],
-                chat_template_kwargs=chat_template_kwargs,
-                max_seq_len=max_seq_len,
-                reasoning=reasoning,
-                tools=resp.get("tools"),  # rendered as at generation time
-            )
+            try:
+                made = tokenize_response(
+                    tokenizer,
+                    resp,
+                    chat_template_kwargs=chat_template_kwargs,
+                    max_seq_len=max_seq_len,
+                    reasoning=reasoning,
+                )
+            except (ValueError, ChatTemplateError) as exc:
+                raise ResponseError(
+                    f"{responses_path}:{line_no} (id {resp.get('id')!r}): {exc}"
+                ) from exc
+            samples = made.samples
+            ids.add(resp, made)
             per_turn += len(samples) > 1
             for tok in samples:
                 sample_id = sample_id_of(resp["id"], tok.turn, len(samples))
@@ -88,6 +104,7 @@ def tokenize(
         "conversations_split_per_turn": per_turn,
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "chat_template_hash": chat_template_hash(tokenizer),
+        "token_ids": ids.summary(),
     }
     write_json(out_stats, stats)
     log.info(
@@ -99,3 +116,54 @@ def tokenize(
         stats["truncated"],
         len(dropped),
     )
+    summary = stats["token_ids"]
+    if summary["turns_from_engine_ids"]:
+        log.info(
+            "%s: %d turn(s) from the engine's token ids, %d of them re-rendered identically, "
+            "%d differently%s; %d turn(s) from the re-render alone",
+            dataset,
+            summary["turns_from_engine_ids"],
+            summary["identical_to_rerender"],
+            summary["differ_from_rerender"],
+            "".join(f"\n  {_where(d)}" for d in summary["differences"]),
+            summary["turns_from_rerender"],
+        )
+
+
+def _where(difference: Mapping[str, Any]) -> str:
+    return (
+        f"{difference['id']} turn {difference['turn']}: token {difference['position']} "
+        f"({difference['part']}): engine {difference['engine']!r}, re-render "
+        f"{difference['rerender']!r}"
+    )
+
+
+class _IdStats:
+    """The ``token_ids`` section of the stats (module docstring)."""
+
+    def __init__(self, examples: int = 5) -> None:
+        self.examples = examples
+        self.from_ids = self.from_rerender = self.identical = self.differ = 0
+        self.split_by_ids = 0
+        self.differences: list[dict[str, Any]] = []
+
+    def add(self, response: Mapping[str, Any], made: ResponseSamples) -> None:
+        turns = sum(1 for m in response["messages"] if m["role"] == "assistant")
+        if made.source == "rerender":
+            self.from_rerender += turns
+            return
+        self.from_ids += turns
+        self.identical += made.turns_identical
+        self.differ += len(made.differences)
+        self.split_by_ids += len(made.samples) > 1
+        for d in made.differences[: max(self.examples - len(self.differences), 0)]:
+            self.differences.append(d.summary(response["id"]))
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "turns_from_engine_ids": self.from_ids,
+            "turns_from_rerender": self.from_rerender,
+            "identical_to_rerender": self.identical,
+            "differ_from_rerender": self.differ,
+            "differences": self.differences,  # the first few
+        }

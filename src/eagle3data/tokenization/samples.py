@@ -1,0 +1,182 @@
+"""A response row's training samples: from the token ids the engine returned, checked
+against the chat template's re-render, or from the re-render where there are no ids.
+
+From the engine's ids
+    Each assistant turn ``k`` of a row has the ids the target saw (``prompt``: the
+    server's own render and tokenization of the history) and produced (``completion``: up
+    to and including the token that ended it, the end-of-turn token for a turn that
+    stopped; SGLang 0.5.23, vLLM 0.32 and the in-process engine all return it). These are
+    exact where a re-render is not: a sampled completion may be a non-canonical
+    tokenization of its own text, reasoning parsers strip the reasoning's whitespace, and
+    a server's render may differ from ours (null keys, its own tool handling).
+
+    When every turn's prompt ids extend the previous turn's prompt and completion ids, the
+    conversation is **one sample**: the last turn's prompt and completion ids, each turn's
+    completion supervised. Otherwise (the server rendered history otherwise than the
+    target produced it: Qwen3's and Kimi's templates drop history reasoning; a completion
+    re-tokenized differently as history) it is **one sample per assistant turn**: that
+    turn's prompt ids then its completion ids, the completion supervised. The loss mask
+    covers exactly the completion ids, never a token the template writes.
+
+    ``tokenize.reasoning: drop`` trains a draft for thinking off on text the target never
+    produced that way, so it always takes the re-render.
+
+The comparison
+    Each turn with ids is also rendered by the chat template (:func:`..chat.turn_renders`)
+    and tokenized: the turn is **identical** when the re-render's ids start with the
+    engine's prompt and completion ids (the template may write more after the last
+    produced token: a newline after the end-of-turn token, the closing tags of a turn cut
+    at ``max_tokens``), and **differs** otherwise, with where: the first differing token
+    and both pieces from there, decoded.
+
+Rows written before ids were kept, and turns of a server that returned none, take the
+re-render (:func:`..chat.tokenize_conversation`), as they always did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..chat import TokenizedConversation, tokenize_conversation, tokenize_text, turn_renders
+from ..generation.records import turn_token_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Tokens of each side decoded where a turn's ids and its re-render part.
+DIFF_WINDOW = 8
+
+
+@dataclass(frozen=True)
+class TurnDifference:
+    """Where assistant turn ``turn`` (its message index) of a row parts from the
+    re-render: token ``position`` of the turn's prompt + completion ids, in ``part``."""
+
+    turn: int
+    position: int
+    part: str  # "prompt" or "completion"
+    engine: str  # the engine's tokens from ``position`` on, decoded
+    rerender: str  # the re-render's, decoded
+
+    def summary(self, sample_id: str) -> dict[str, Any]:
+        return {
+            "id": sample_id,
+            "turn": self.turn,
+            "position": self.position,
+            "part": self.part,
+            "engine": self.engine,
+            "rerender": self.rerender,
+        }
+
+
+@dataclass(frozen=True)
+class ResponseSamples:
+    samples: list[TokenizedConversation]
+    source: str  # "engine_ids" or "rerender"
+    turns_identical: int = 0  # turns with ids whose re-render matches them
+    differences: list[TurnDifference] = field(default_factory=list)
+
+
+def tokenize_response(
+    tokenizer: PreTrainedTokenizerBase,
+    response: Mapping[str, Any],
+    *,
+    chat_template_kwargs: Mapping[str, Any],
+    max_seq_len: int | None,
+    reasoning: str,
+) -> ResponseSamples:
+    """The samples of one response row (see the module docstring)."""
+    messages = response["messages"]
+    tools = response.get("tools")  # rendered as at generation time
+    ids = turn_token_ids(response.get("turns", []))
+    if reasoning == "drop" or not ids or any(i is None for i in ids):
+        samples = tokenize_conversation(
+            tokenizer,
+            messages,
+            chat_template_kwargs=chat_template_kwargs,
+            max_seq_len=max_seq_len,
+            reasoning=reasoning,
+            tools=tools,
+        )
+        return ResponseSamples(samples, "rerender")
+    renders = turn_renders(
+        tokenizer, messages, chat_template_kwargs=chat_template_kwargs, tools=tools
+    )
+    if len(renders) != len(ids):
+        raise ValueError(f"{len(ids)} turns with token ids for {len(renders)} assistant messages")
+    engine_turns = [(r.index, *pair) for r, pair in zip(renders, ids, strict=True) if pair]
+    identical = 0
+    differences = []
+    for render, (_, prompt, completion) in zip(renders, engine_turns, strict=True):
+        # The template's view of the turn, tokenized as a whole like the old samples.
+        text = render.prompt + render.produced
+        rerendered, _ = tokenize_text(tokenizer, text, [])
+        difference = _difference(tokenizer, render.index, prompt, completion, rerendered)
+        if difference is None:
+            identical += 1
+        else:
+            differences.append(difference)
+    samples = [_truncated(s, max_seq_len) for s in samples_from_ids(engine_turns)]
+    return ResponseSamples(samples, "engine_ids", identical, differences)
+
+
+def samples_from_ids(
+    turns: Sequence[tuple[int, Sequence[int], Sequence[int]]],
+) -> list[TokenizedConversation]:
+    """Untruncated samples of (message index, prompt ids, completion ids) per turn."""
+    whole = True
+    done: list[int] = []
+    for _, prompt, completion in turns:
+        whole = whole and list(prompt[: len(done)]) == done
+        done = [*prompt, *completion]
+    if whole:
+        _, prompt, completion = turns[-1]
+        mask = [0] * (len(prompt) + len(completion))
+        for _, p, c in turns:
+            mask[len(p) : len(p) + len(c)] = [1] * len(c)
+        ids = [*prompt, *completion]
+        return [TokenizedConversation(ids, mask, len(ids), None)]
+    return [
+        TokenizedConversation([*p, *c], [0] * len(p) + [1] * len(c), len(p) + len(c), index)
+        for index, p, c in turns
+    ]
+
+
+def _truncated(sample: TokenizedConversation, max_seq_len: int | None) -> TokenizedConversation:
+    if max_seq_len is None or len(sample.input_ids) <= max_seq_len:
+        return sample
+    return TokenizedConversation(
+        sample.input_ids[:max_seq_len],
+        sample.loss_mask[:max_seq_len],
+        sample.num_tokens_before_truncation,
+        sample.turn,
+    )
+
+
+def _difference(
+    tokenizer: PreTrainedTokenizerBase,
+    turn: int,
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    rerendered: Sequence[int],
+) -> TurnDifference | None:
+    engine = [*prompt, *completion]
+    if list(rerendered[: len(engine)]) == engine:
+        return None
+    position = next(
+        (k for k, (a, b) in enumerate(zip(engine, rerendered, strict=False)) if a != b),
+        len(rerendered),  # the re-render ends first
+    )
+
+    def piece(ids: Sequence[int]) -> str:
+        return str(tokenizer.decode(list(ids[position : position + DIFF_WINDOW])))
+
+    return TurnDifference(
+        turn=turn,
+        position=position,
+        part="prompt" if position < len(prompt) else "completion",
+        engine=piece(engine),
+        rerender=piece(rerendered),
+    )

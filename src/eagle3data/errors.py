@@ -9,6 +9,7 @@ or config, ``RuntimeError`` for a run that cannot go on)::
     ├── ModelConfigError        (ValueError)    the model's config.json is ambiguous or incomplete
     ├── PromptFormatError       (ValueError)    a malformed prompt record: file, line, field
     ├── ChatTemplateError       (ValueError)    a conversation the chat template cannot render
+    ├── ResponseError           (ValueError)    a response row that makes no samples: file, line
     ├── AuxLayerError           (ValueError)    aux-layer ids that cannot be right for the model
     ├── ShardFormatError        (ValueError)    data that does not fit the shard format
     ├── DraftVocabError         (ValueError)    a draft vocabulary that cannot be built

@@ -12,6 +12,8 @@ results/.work/status). Per dataset:
 * the rate and ETA of the running job only (:mod:`.projection`);
 * the projection: where it ends under the current limits, and its basis;
 * shards and hidden-state bytes, against the same estimate the dry run prints;
+* once tokenized, how many turns were trained on the engine's token ids and how many of
+  those the chat template re-renders identically (``ids=render``: the tokenize stats);
 * once validated, the target's agreement with its tokens over the control (the validate
   job's check, :mod:`..hidden_states.agreement`).
 """
@@ -31,6 +33,7 @@ from ..layout import (
     SHARD_DIR,
     SHARD_PLAN,
     SKIPPED_PROMPTS,
+    TOKENIZE_STATS,
     TOKENIZED,
     Results,
 )
@@ -75,6 +78,9 @@ class DatasetStatus:
     run: dict[str, Any] | None  # the journal's latest writer: host, pid, started_at, ended_at
     # The validate job's agreement check (manifest.json), once validated; None before.
     agreement: dict[str, Any] | None = None
+    # The tokenize stats' ``token_ids`` section, once tokenized; None before (or in stats
+    # written before ids were kept).
+    token_ids: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -166,8 +172,27 @@ def dataset_snapshot(
         estimate_basis=estimate.basis,
         run=None if run is None else {k: v for k, v in asdict(run).items() if k != "heartbeat_at"},
         agreement=_agreement(results, dataset),
+        token_ids=_token_ids(results, dataset),
     )
     return DatasetSnapshot(status, progress)
+
+
+def _token_ids(results: Results, dataset: str) -> dict[str, Any] | None:
+    stats = results.path(TOKENIZE_STATS, dataset=dataset)
+    if not stats.is_file():
+        return None
+    summary = json.loads(stats.read_text()).get("token_ids")
+    return None if summary is None else {k: v for k, v in summary.items() if k != "differences"}
+
+
+def token_ids_cell(summary: Mapping[str, Any] | None) -> str:
+    """``118/120``: of the turns trained on the engine's ids, those the chat template
+    re-renders identically; ``none``: no turn had ids (re-rendered); ``-`` before."""
+    if summary is None:
+        return "-"
+    if not summary["turns_from_engine_ids"]:
+        return "none"
+    return f"{summary['identical_to_rerender']}/{summary['turns_from_engine_ids']}"
 
 
 def _agreement(results: Results, dataset: str) -> dict[str, Any] | None:
@@ -225,6 +250,7 @@ def format_table(rows: Sequence[DatasetStatus]) -> str:
         "skipped",
         "shards",
         "hidden states on disk / est.",
+        "ids=render",
         "agrees/ctrl",
     )
     lines = [header]
@@ -254,6 +280,7 @@ def format_table(rows: Sequence[DatasetStatus]) -> str:
                 str(r.skipped_input),
                 f"{r.shards_done}/{r.shards_planned if r.shards_planned is not None else '?'}",
                 f"{human_bytes(r.bytes_on_disk)} / {est}",
+                token_ids_cell(r.token_ids),
                 agreement_cell(r.agreement),
             )
         )

@@ -27,19 +27,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.sglang_server import (
+from support.real_servers import (
     QUESTION,
-    RECORD_ENV,
     SERVED_MODEL,
     WEATHER_TOOL,
-    SGLangServer,
+    assert_shapes_as_recorded,
     forced_tool_call_body,
-    json_shape,
-    load_recorded,
+    job_log,
     record_bodies,
+    recording_cases,
+    server_log_on_failure,
+    server_workflow,
+    tool_prompts,
 )
+from support.sglang_server import RECORD_ENV, RECORDED_DIR, SGLangServer
 from support.target_models import make_qwen3_dir
-from support.workflow import Workflow, kill_group, new_workflow, sharegpt_prompts, write_prompts
+from support.workflow import kill_group, sharegpt_prompts, write_prompts
 
 from eagle3data.chat import render
 from eagle3data.prompts.sources import read_prompts, seeded_order
@@ -73,47 +76,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path) -> Iterato
     print(f"\nSGLang server stopped in {running.stop_s:.1f} s, no process of it left")
 
 
-@contextlib.contextmanager
-def server_log_on_failure(server: SGLangServer, offset: int) -> Iterator[None]:
-    """An assertion that fails inside gets what the server logged since ``offset``."""
-    try:
-        yield
-    except AssertionError as exc:
-        tail = server.log_text(offset)[-6000:]
-        raise AssertionError(
-            f"{exc}\n--- SGLang server log ({server.log_path}) ---\n{tail}"
-        ) from None
-
-
-def sglang_workflow(
-    tmp_path: Path,
-    model_dir: Path,
-    server: SGLangServer,
-    datasets: dict[str, dict[str, Any]],
-    name: str = "wf",
-    *,
-    chat_template_kwargs: dict[str, Any],
-    **generation: Any,
-) -> Workflow:
-    settings: dict[str, Any] = {
-        "backend": "openai",
-        "endpoints": [server.url],
-        "served_model": server.model_name,
-        "request_timeout_s": 600,
-    }
-    settings.update(generation)
-    return new_workflow(
-        tmp_path,
-        model_dir,
-        datasets,
-        name,
-        model={"chat_template_kwargs": chat_template_kwargs},
-        generation=settings,
-    )
-
-
-def job_log(wf: Workflow, dataset: str) -> str:
-    return wf.path(f"logs/generate/{dataset}.log").read_text(encoding="utf-8")
+def log_on_failure(server: SGLangServer, offset: int) -> contextlib.AbstractContextManager[None]:
+    return server_log_on_failure(server, offset, "SGLang server")
 
 
 def wait_for_aborts(server: SGLangServer, offset: int, aborted_before: float) -> tuple[Any, int]:
@@ -135,10 +99,11 @@ def test_what_the_server_sends(server: SGLangServer, tokenizer: Any, tmp_path: P
     """Record every kind of body and check the facts the support module states about them;
     the committed recordings must still have the shapes the server sends now."""
     offset = server.log_offset()
-    records = record_bodies(server, tokenizer, os.environ.get(RECORD_ENV) or tmp_path)
+    cases = recording_cases(tokenizer, server.model_name or SERVED_MODEL)
+    records = record_bodies(server, tokenizer, cases, os.environ.get(RECORD_ENV) or tmp_path)
     r = {name: record["response"] for name, record in records.items()}
     status = {name: record["status"] for name, record in records.items()}
-    with server_log_on_failure(server, offset):
+    with log_on_failure(server, offset):
         [model] = r["models"]["data"]
         assert (model["id"], model["owned_by"], model["max_model_len"]) == (
             SERVED_MODEL,
@@ -213,11 +178,7 @@ def test_what_the_server_sends(server: SGLangServer, tokenizer: Any, tmp_path: P
         assert "maximum context length of 1024" in r["error_context_with_max_tokens"]["message"]
         assert r["error_malformed"]["type"] == "Bad Request"
 
-    committed = load_recorded()
-    assert committed.keys() == records.keys(), "re-record tests/data/sglang (module docstring)"
-    for name, record in records.items():
-        assert json_shape(record["response"]) == json_shape(committed[name]["response"]), name
-        assert record["status"] == committed[name]["status"], name
+    assert_shapes_as_recorded(records, RECORDED_DIR, "module docstring")
 
 
 # --------------------------------------------------------------------------- the generate rule
@@ -237,7 +198,7 @@ def test_reasoning_usage_budget_and_cancelled_requests(
     prompts = write_prompts(tmp_path / "A1.jsonl", questions)
     order = [c.id for c in seeded_order(read_prompts(prompts, "sharegpt").conversations, 0)]
     budget = int(2.5 * max_tokens)
-    wf = sglang_workflow(
+    wf = server_workflow(
         tmp_path,
         qwen3_dir,
         server,
@@ -251,7 +212,7 @@ def test_reasoning_usage_budget_and_cancelled_requests(
     wf.run("results/responses/A1.jsonl")
     log, aborted = wait_for_aborts(server, offset, before.get(ABORTED, 0.0))
 
-    with server_log_on_failure(server, offset):
+    with log_on_failure(server, offset):
         rows, stats = wf.responses("A1"), wf.stats("A1")
         assert [row["id"] for row in rows] == order[:2]
         assert (stats["stop_reason"], stats["completion_tokens"]) == ("token_budget", 512)
@@ -288,49 +249,6 @@ def test_reasoning_usage_budget_and_cancelled_requests(
     print(f"\ncancelled {cancelled} requests in flight; the server aborted {aborted}")
 
 
-def tool_prompts() -> list[dict[str, Any]]:
-    def call(cid: str, city: str) -> dict[str, Any]:
-        arguments = json.dumps({"city": city})
-        return {
-            "id": cid,
-            "type": "function",
-            "function": {"name": "get_weather", "arguments": arguments},
-        }
-
-    def result(cid: str, text: str) -> dict[str, Any]:
-        return {"role": "tool", "tool_call_id": cid, "name": "get_weather", "content": text}
-
-    ask = {"role": "user", "content": "What is the weather in Paris?"}
-    return [
-        {"id": "t0", "messages": [ask], "tools": [WEATHER_TOOL]},
-        {
-            "id": "t1",
-            "messages": [
-                ask,
-                {"role": "assistant", "content": "", "tool_calls": [call("src_1", "Paris")]},
-                result("src_1", "sunny"),
-                {"role": "assistant", "content": "It is sunny."},
-            ],
-            "tools": [WEATHER_TOOL],
-        },
-        {
-            "id": "t2",  # the source called twice; the regenerated turn calls once
-            "messages": [
-                ask,
-                {
-                    "role": "assistant",
-                    "content": "",
-                    "tool_calls": [call("src_a", "Paris"), call("src_b", "Berlin")],
-                },
-                result("src_a", "sunny"),
-                result("src_b", "rainy"),
-                {"role": "assistant", "content": "Sunny and rainy."},
-            ],
-            "tools": [WEATHER_TOOL],
-        },
-    ]
-
-
 def test_tool_calls_are_parsed_into_the_rows(
     server: SGLangServer, qwen3_dir: Path, tokenizer: Any, tmp_path: Path
 ) -> None:
@@ -339,7 +257,7 @@ def test_tool_calls_are_parsed_into_the_rows(
     counts differ the results stay as given, and SGLang (Qwen3) accepts that history."""
     prompts = tmp_path / "T1.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in tool_prompts()), encoding="utf-8")
-    wf = sglang_workflow(
+    wf = server_workflow(
         tmp_path,
         qwen3_dir,
         server,
@@ -351,7 +269,7 @@ def test_tool_calls_are_parsed_into_the_rows(
     )
     offset = server.log_offset()
     wf.run("results/responses/T1.jsonl")
-    with server_log_on_failure(server, offset):
+    with log_on_failure(server, offset):
         rows = {row["id"]: row for row in wf.responses("T1")}
         assert rows.keys() == {"t0", "t1", "t2"}
         assert wf.path("results/responses/T1.errors.jsonl").read_text() == ""
@@ -395,10 +313,10 @@ def test_a_killed_run_resumes_to_the_uninterrupted_output(
         "sampling": {"temperature": 0.0, "max_tokens": 192},
         "extra_body": {"ignore_eos": True},
     }
-    reference = sglang_workflow(tmp_path, qwen3_dir, server, datasets, "reference", **options)
+    reference = server_workflow(tmp_path, qwen3_dir, server, datasets, "reference", **options)
     reference.run("results/responses/A1.jsonl")
 
-    wf = sglang_workflow(tmp_path, qwen3_dir, server, datasets, "killed", **options)
+    wf = server_workflow(tmp_path, qwen3_dir, server, datasets, "killed", **options)
     target = "results/responses/A1.jsonl"
     offset, before = server.log_offset(), server.metrics()
     proc = wf.start(target)
@@ -412,7 +330,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_output(
     partial = wf.journal_lines("A1")
     assert len(partial) < 10 and not wf.path(target).exists(), "no partial declared output"
     log, aborted = wait_for_aborts(server, offset, before.get(ABORTED, 0.0))
-    with server_log_on_failure(server, offset):
+    with log_on_failure(server, offset):
         # Every request the dead job left unfinished was aborted, none left running. A
         # request in flight at the kill may also finish first: SGLang looks for closed
         # connections only every SGLANG_REQUEST_STATE_WAIT_TIMEOUT (1 s here), and on an

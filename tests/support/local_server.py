@@ -2,10 +2,17 @@
 a server started as a child on a free port of 127.0.0.1, in its own session, with its
 output in a log file, polled until ready, and stopped with its whole process group.
 
-Subclasses (``support.llama_server.LlamaServer``, ``support.sglang_server.SGLangServer``)
-say what to run (:meth:`LocalServer.command`, :meth:`LocalServer.env`), how to tell that
-it is ready (:meth:`LocalServer._probe`), what their errors and messages are, and how to
-stop what it started when SIGTERM-then-SIGKILL of the group is not enough.
+Subclasses (``support.llama_server.LlamaServer``, and through :class:`WorkerServer`
+``support.sglang_server.SGLangServer`` and ``support.vllm_server.VLLMServer``) say what to
+run (:meth:`LocalServer.command`, :meth:`LocalServer.env`), how to tell that it is ready
+(:meth:`LocalServer._probe`), what their errors and messages are, and how to stop what it
+started when SIGTERM-then-SIGKILL of the group is not enough.
+
+:class:`WorkerServer` is the OpenAI-compatible server whose launcher spawns worker
+processes (SGLang's scheduler and detokenizer, vLLM's engine core and worker): ready when
+``GET /health`` answers 200 and ``/v1/models`` names the model, stopped only once no
+process of its group is left, with its ``/metrics`` (Prometheus text) read by
+:func:`parse_metrics`.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, ClassVar, Self, TypedDict
@@ -49,6 +56,56 @@ def post_json(url: str, body: Any, *, timeout: float = 300.0) -> tuple[int, Any]
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+def server_flags(args: Mapping[str, Any]) -> list[str]:
+    """Option fields as command-line flags: ``--name-with-dashes value``, True a bare
+    switch, False and None left out."""
+    flags: list[str] = []
+    for name, value in args.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False and value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def parse_metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text as (name, labels, value) samples."""
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name, _, labels = name_labels.partition("{")
+        pairs = (pair.split("=", 1) for pair in labels.rstrip("}").split(",") if "=" in pair)
+        with contextlib.suppress(ValueError):
+            samples.append((name, {k: v.strip('"') for k, v in pairs}, float(value)))
+    return samples
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text: each metric's value summed over its label sets."""
+    values: dict[str, float] = {}
+    for name, _, value in parse_metric_samples(text):
+        values[name] = values.get(name, 0.0) + value
+    return values
+
+
+def group_processes(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, from /proc."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
+        fields = text[text.rfind(")") + 2 :].split()
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            live.append(int(stat.parent.name))
+    return live
 
 
 def signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -176,6 +233,33 @@ class LocalServer:
             f.seek(max(0, f.seek(0, os.SEEK_END) - n))
             return f.read().decode("utf-8", errors="replace") or "(no log)"
 
+    def log_text(self, offset: int = 0) -> str:
+        """The server's log from byte ``offset`` on (see :meth:`log_offset`)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode("utf-8", errors="replace")
+
+    def log_offset(self) -> int:
+        """Where the log ends now: what :meth:`log_text` reads from, later."""
+        return self.log_path.stat().st_size if self.log_path and self.log_path.exists() else 0
+
+    # -- requests ----------------------------------------------------------------------
+
+    def chat(self, body: Mapping[str, Any], *, timeout: float = 300.0) -> tuple[int, Any]:
+        """POST /v1/chat/completions; (status, parsed body), errors too."""
+        return post_json(f"{self.url}/chat/completions", dict(body), timeout=timeout)
+
+    def get(self, path: str) -> tuple[int, Any]:
+        """GET ``path`` (from the root, e.g. ``/v1/models``); (status, parsed JSON or text)."""
+        try:
+            with urllib.request.urlopen(f"{self.base_url}{path}", timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return exc.code, exc.read().decode(errors="replace")
+
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> Self:
@@ -268,3 +352,67 @@ class LocalServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+class WorkerServer(LocalServer):
+    """An OpenAI-compatible server whose launcher spawns workers (SGLang, vLLM).
+
+    Ready when ``GET /health`` answers 200 (:attr:`model_name` and :attr:`models_response`
+    then come from ``/v1/models``); :meth:`stop` sends SIGTERM to the whole group, SIGKILL
+    to what is left after ``stop_timeout`` seconds, and waits until no process of the group
+    is alive (the launcher gone is not the server gone: its workers are its children).
+    Subclasses say :meth:`command` and :meth:`env`.
+    """
+
+    poll_interval = 1.0
+    default_stop_timeout = 60.0
+
+    def metrics_text(self) -> str:
+        """``GET /metrics``: Prometheus text."""
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30) as resp:
+            return str(resp.read().decode())
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics``, each value summed over its labels (:func:`parse_metrics`). A counter
+        may appear only once it has counted: read them with ``.get(name, 0.0)``."""
+        return parse_metrics(self.metrics_text())
+
+    def _check_model(self) -> None:
+        if not (self.model / "config.json").is_file():
+            raise FileNotFoundError(f"no model directory at {self.model}")
+
+    def _probe(self) -> str | None:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=10) as resp:
+                if resp.status != 200:
+                    return f"HTTP {resp.status}"
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            return f"HTTP {exc.code}"  # SGLang: 503 while it warms up
+        # /health says nothing of the model: its name comes from /v1/models.
+        status, body = self.get("/v1/models")
+        if status != 200 or not isinstance(body, dict):
+            raise self.error(f"GET /v1/models -> {status}: {body!r}")
+        self.models_response = body
+        self.model_name = body["data"][0]["id"]
+        return None
+
+    def _stop_group(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGTERM the whole process group, SIGKILL what is left after ``stop_timeout``,
+        and wait until none of its processes is alive."""
+        pgid = proc.pid  # start_new_session: the launcher leads its own group
+        signal_group(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=self.stop_timeout)
+        deadline = time.monotonic() + self.stop_timeout
+        while (left := group_processes(pgid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if left:
+            signal_group(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while (left := group_processes(pgid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if left:
+            raise self.error(f"server processes {left} outlived SIGKILL")

@@ -1,5 +1,7 @@
 """Real SGLang's OpenAI-compatible HTTP server on CPU for ``tests/sglang/``: start and stop
-it, read its request log and ``/metrics``, and record what it sends (``tests/data/sglang/``).
+it, read its request log and ``/metrics``, and record what it sends (``tests/data/sglang/``;
+what it shares with vLLM's is in ``support.local_server.WorkerServer`` and
+``support.real_servers``).
 
 Checked facts (sglang 0.5.23 in the environment ``tests/sglang/setup.sh`` builds, run as
 :func:`support.sglang_cpu.sglang_env` sets it up; the tiny random Qwen3 of
@@ -111,32 +113,18 @@ Cancellation
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Unpack
 
-from support.local_server import (
-    LocalServer,
-    LocalServerError,
-    ServerOptions,
-    post_json,
-    signal_group,
-)
+from support.local_server import LocalServerError, ServerOptions, WorkerServer, server_flags
+from support.real_servers import SERVED_MODEL, record_bodies, recording_cases, rerecord
 from support.sglang_cpu import CPU_ENGINE_ARGS, sglang_env
 
-SERVED_MODEL = "tiny-qwen3"
 RECORDED_DIR = Path(__file__).resolve().parents[1] / "data" / "sglang"
 # Set to a folder to have tests/sglang/test_generate_server.py record the bodies there
 # (RECORDED_DIR to re-record the committed ones).
@@ -145,18 +133,6 @@ RECORD_ENV = "EAGLE3DATA_RECORD_SGLANG"
 
 class SGLangServerError(LocalServerError):
     """The server died or did not come up in time; the message ends with its log tail."""
-
-
-def server_flags(args: Mapping[str, Any]) -> list[str]:
-    """``ServerArgs`` fields as ``launch_server`` flags (True: a bare switch)."""
-    flags: list[str] = []
-    for name, value in args.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is not False and value is not None:
-            flags += [flag, str(value)]
-    return flags
 
 
 @dataclass
@@ -195,35 +171,7 @@ def parse_request_log(text: str) -> RequestLog:
     return log
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text: each metric's value summed over its label sets."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        with contextlib.suppress(ValueError):
-            values[name] = values.get(name, 0.0) + float(value)
-    return values
-
-
-def group_processes(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``, from /proc."""
-    live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
-        fields = text[text.rfind(")") + 2 :].split()
-        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-            live.append(int(stat.parent.name))
-    return live
-
-
-class SGLangServer(LocalServer):
+class SGLangServer(WorkerServer):
     """``python -m sglang.launch_server`` on 127.0.0.1, CPU, as a context manager.
 
     >>> with SGLangServer(make_qwen3_dir(tmp / "qwen3")) as server:
@@ -240,9 +188,7 @@ class SGLangServer(LocalServer):
     error = SGLangServerError
     log_prefix = "sglang-server-"
     log_tail_chars = 6000
-    poll_interval = 1.0
     default_startup_timeout = 900.0
-    default_stop_timeout = 60.0
     exited_message = "sglang.launch_server exited with code {code} before GET /health answered 200"
     not_ready_message = (
         "sglang.launch_server did not answer GET /health within {timeout:g} s (last: {last})"
@@ -295,250 +241,24 @@ class SGLangServer(LocalServer):
 
     # -- what the server says ----------------------------------------------------------
 
-    def log_text(self, offset: int = 0) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        with open(self.log_path, "rb") as f:
-            f.seek(offset)
-            return f.read().decode("utf-8", errors="replace")
-
-    def log_offset(self) -> int:
-        """Where the log ends now: pass to :meth:`requests_since`."""
-        return self.log_path.stat().st_size if self.log_path and self.log_path.exists() else 0
-
     def requests_since(self, offset: int) -> RequestLog:
         return parse_request_log(self.log_text(offset))
-
-    def metrics(self) -> dict[str, float]:
-        """``/metrics``, each value summed over its labels. A counter appears only once it
-        has counted (``sglang:num_aborted_requests_total`` after the first abort): read
-        them with ``.get(name, 0.0)``."""
-        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30) as resp:
-            return parse_metrics(resp.read().decode())
-
-    def chat(self, body: Mapping[str, Any], *, timeout: float = 300.0) -> tuple[int, Any]:
-        """POST /v1/chat/completions; (status, parsed body), errors too."""
-        return post_json(f"{self.url}/chat/completions", dict(body), timeout=timeout)
-
-    def get(self, path: str) -> tuple[int, Any]:
-        try:
-            with urllib.request.urlopen(f"{self.base_url}{path}", timeout=30) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            with exc:
-                return exc.code, exc.read().decode(errors="replace")
-
-    # -- lifecycle ---------------------------------------------------------------------
-
-    def _check_model(self) -> None:
-        if not (self.model / "config.json").is_file():
-            raise FileNotFoundError(f"no model directory at {self.model}")
-
-    def _probe(self) -> str | None:
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=10) as resp:
-                if resp.status != 200:
-                    return f"HTTP {resp.status}"
-        except urllib.error.HTTPError as exc:
-            exc.close()
-            return f"HTTP {exc.code}"  # 503 while warming up
-        # /health says nothing of the model: its name comes from /v1/models.
-        status, body = self.get("/v1/models")
-        if status != 200 or not isinstance(body, dict):
-            raise SGLangServerError(f"GET /v1/models -> {status}: {body!r}")
-        self.models_response = body
-        self.model_name = body["data"][0]["id"]
-        return None
-
-    def _stop_group(self, proc: subprocess.Popen[bytes]) -> None:
-        """SIGTERM the whole process group, SIGKILL what is left after ``stop_timeout``,
-        and wait until none of its processes is alive."""
-        pgid = proc.pid  # start_new_session: the launcher leads its own group
-        signal_group(pgid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=self.stop_timeout)
-        # The scheduler and detokenizer are the launcher's children: the launcher gone
-        # is not the server gone.
-        deadline = time.monotonic() + self.stop_timeout
-        while (left := group_processes(pgid)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if left:
-            signal_group(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while (left := group_processes(pgid)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if left:
-            raise SGLangServerError(f"SGLang processes {left} outlived SIGKILL")
-
-
-# --------------------------------------------------------------------------- recording
-
-# A tool whose arguments xgrammar can force to an end: strict (the schema constrains the
-# arguments only then), one required enum parameter.
-WEATHER_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather of a city",
-        "strict": True,
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "Berlin"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-QUESTION = "What is the capital of France?"
-
-
-def blank_token_ids(tokenizer: Any) -> list[int]:
-    """Ids of the tokens that are only whitespace (for ``logit_bias``: a random model
-    under a JSON grammar writes blanks forever otherwise)."""
-    special = set(tokenizer.all_special_ids)
-    return [
-        i
-        for i in range(len(tokenizer))
-        if i not in special and tokenizer.decode([i]).strip() == "" and tokenizer.decode([i])
-    ]
-
-
-def forced_tool_call_body(tokenizer: Any) -> dict[str, Any]:
-    """Request fields that make a random model call :data:`WEATHER_TOOL` and then stop:
-    the call required (xgrammar), blanks forbidden, the end token as soon as it is
-    allowed (after the call)."""
-    bias = {str(i): -100.0 for i in blank_token_ids(tokenizer)}
-    bias[str(tokenizer.convert_tokens_to_ids("<|im_end|>"))] = 100.0
-    return {"tool_choice": "required", "logit_bias": bias, "parallel_tool_calls": False}
-
-
-def recording_cases(tokenizer: Any, model: str = SERVED_MODEL) -> dict[str, dict[str, Any]]:
-    """name -> request (``{"get": path}`` or a chat completion body) of each recording."""
-    user = [{"role": "user", "content": QUESTION}]
-    off = {"enable_thinking": False}
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    paris = tokenizer.convert_tokens_to_ids("Paris")
-
-    def chat(**fields: Any) -> dict[str, Any]:
-        return {"model": model, "messages": user, "temperature": 0.0, "max_tokens": 8, **fields}
-
-    history = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": "",
-            "reasoning_content": "I should look it up.",
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
-    ]
-    return {
-        "models": {"get": "/v1/models"},
-        "chat_thinking": chat(),
-        "chat_no_thinking": chat(chat_template_kwargs=off),
-        "chat_stop_eos": chat(chat_template_kwargs=off, logit_bias={str(eos): 100.0}),
-        "chat_stop_string": chat(
-            chat_template_kwargs=off, logit_bias={str(paris): 100.0}, stop=["Paris"]
-        ),
-        "chat_tool_call": chat(
-            chat_template_kwargs=off,
-            max_tokens=128,  # the call is ~75 tokens of this byte-level vocabulary
-            tools=[WEATHER_TOOL],
-            **forced_tool_call_body(tokenizer),
-        ),
-        "chat_token_ids": chat(return_token_ids=True),
-        "chat_history": chat(
-            messages=history, tools=[WEATHER_TOOL], max_tokens=4, return_token_ids=True
-        ),
-        "error_context_too_long": chat(
-            messages=[{"role": "user", "content": " ".join(["capital"] * 1100)}]
-        ),
-        "error_context_with_max_tokens": chat(
-            messages=[{"role": "user", "content": " ".join(["capital"] * 1000)}], max_tokens=100
-        ),
-        "error_malformed": {"model": model, "messages": "hi", "max_tokens": 4},
-    }
-
-
-def record_bodies(
-    server: SGLangServer, tokenizer: Any, out_dir: str | os.PathLike[str] | None = None
-) -> dict[str, dict[str, Any]]:
-    """Send each of :func:`recording_cases` to ``server``; returns name -> ``{"request",
-    "status", "response"}`` (plus ``prompt_text``, the decoded ``prompt_token_ids``, where
-    the server returned them) and writes each as ``{out_dir}/{name}.json`` if given."""
-    records: dict[str, dict[str, Any]] = {}
-    for name, request in recording_cases(tokenizer, server.model_name or SERVED_MODEL).items():
-        if "get" in request:
-            status, response = server.get(request["get"])
-        else:
-            status, response = server.chat(request)
-        record: dict[str, Any] = {"request": request, "status": status, "response": response}
-        choices = response.get("choices") if isinstance(response, dict) else None
-        if choices and "prompt_token_ids" in choices[0]:
-            record["prompt_text"] = tokenizer.decode(choices[0]["prompt_token_ids"])
-        records[name] = record
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for name, record in records.items():
-            text = json.dumps(record, indent=1, ensure_ascii=False) + "\n"
-            (out / f"{name}.json").write_text(text, encoding="utf-8")
-    return records
-
-
-def load_recorded(directory: str | os.PathLike[str] = RECORDED_DIR) -> dict[str, dict[str, Any]]:
-    """The committed recordings, name -> record."""
-    return {
-        p.stem: json.loads(p.read_text(encoding="utf-8"))
-        for p in sorted(Path(directory).glob("*.json"))
-    }
-
-
-def json_shape(value: Any) -> Any:
-    """The keys, types and nesting of a JSON value, without its values: objects keep their
-    keys (sorted), a list becomes the sorted distinct shapes of its items."""
-    if isinstance(value, dict):
-        return {k: json_shape(v) for k, v in sorted(value.items())}
-    if isinstance(value, list):
-        shapes = {json.dumps(json_shape(v), sort_keys=True) for v in value}
-        return [json.loads(s) for s in sorted(shapes)]
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float"
-    return type(value).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Re-record ``tests/data/sglang/``: start a server on a fresh tiny Qwen3 and record."""
-    import argparse
-
     from transformers import AutoTokenizer
 
     from support.target_models import make_qwen3_dir
 
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--out", default=str(RECORDED_DIR))
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        model = make_qwen3_dir(Path(tmp) / "qwen3")
-        with SGLangServer(model, log_path=Path(tmp) / "server.log") as server:
+    def record(out: Path, tmp: Path) -> None:
+        model = make_qwen3_dir(tmp / "qwen3")
+        with SGLangServer(model, log_path=tmp / "server.log") as server:
             print(f"ready in {server.startup_s:.0f} s", flush=True)
-            record_bodies(server, AutoTokenizer.from_pretrained(model), args.out)
-    print(f"recorded into {args.out}")
-    return 0
+            tokenizer = AutoTokenizer.from_pretrained(model)
+            record_bodies(server, tokenizer, recording_cases(tokenizer), out)
+
+    return rerecord(str(main.__doc__), RECORDED_DIR, record, argv)
 
 
 if __name__ == "__main__":  # PYTHONPATH=tests .venv-sglang/bin/python -m support.sglang_server

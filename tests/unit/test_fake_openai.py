@@ -30,7 +30,8 @@ from support.fake_openai import (
     Status,
     hashed_faults,
 )
-from support.sglang_server import json_shape, load_recorded
+from support.real_servers import json_shape, load_recorded
+from support.sglang_server import RECORDED_DIR as SGLANG_RECORDED
 from support.workflow import REPO
 
 FAKE = REPO / "tests" / "support" / "fake_openai.py"
@@ -454,7 +455,7 @@ def reply_of(answer: tuple[int, dict[str, str], bytes]) -> tuple[int, Any]:
 def test_the_fake_answers_in_the_shapes_sglang_sent() -> None:
     """Keys, types and nesting of every answer equal what real SGLang sent in the same
     situation (tests/data/sglang/, recorded by tests/sglang/test_generate_server.py)."""
-    recorded = load_recorded()
+    recorded = load_recorded(SGLANG_RECORDED)
     fake = fake_counterparts()
     assert recorded.keys() == fake.keys() | NOT_FAKED
     for name, (status, body) in fake.items():

@@ -1,0 +1,331 @@
+"""What the suites of real OpenAI-compatible servers share (``tests/sglang/``,
+``tests/vllm/``): the request cases whose answers are recorded (``tests/data/sglang/``,
+``tests/data/vllm/``) and the recording itself, the JSON shapes they are compared by, the
+tool and the tool-calling prompts, and the workflow that points the generate rule at a
+running server.
+
+A recording is ``{"request", "status", "response"}`` (plus ``prompt_text``, the decoded
+prompt ids, where the server returned them), one JSON file per case;
+``tests/unit/test_fake_openai.py`` holds the fake server to the recorded shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from support.workflow import Workflow, new_workflow
+
+SERVED_MODEL = "tiny-qwen3"
+QUESTION = "What is the capital of France?"
+
+# A tool whose arguments a grammar can force to an end: strict (SGLang constrains the
+# arguments only then), one required enum parameter.
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Berlin"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+class ChatServer(Protocol):
+    """What recording and the workflow need of a running server (``LocalServer``)."""
+
+    model_name: str | None
+    log_path: Path | None
+
+    @property
+    def url(self) -> str: ...
+
+    def chat(self, body: Mapping[str, Any], *, timeout: float = 300.0) -> tuple[int, Any]: ...
+
+    def get(self, path: str) -> tuple[int, Any]: ...
+
+    def log_text(self, offset: int = 0) -> str: ...
+
+
+def blank_token_ids(tokenizer: Any) -> list[int]:
+    """Ids of the tokens that are only whitespace (for ``logit_bias``: a random model
+    under a JSON grammar writes blanks forever otherwise)."""
+    special = set(tokenizer.all_special_ids)
+    return [
+        i
+        for i in range(len(tokenizer))
+        if i not in special and tokenizer.decode([i]).strip() == "" and tokenizer.decode([i])
+    ]
+
+
+def forced_tool_call_body(tokenizer: Any) -> dict[str, Any]:
+    """Request fields that make a random model call :data:`WEATHER_TOOL` and then stop:
+    the call required (the server's grammar), blanks forbidden, the end token as soon as
+    it is allowed (after the call)."""
+    bias = {str(i): -100.0 for i in blank_token_ids(tokenizer)}
+    bias[str(tokenizer.convert_tokens_to_ids("<|im_end|>"))] = 100.0
+    return {"tool_choice": "required", "logit_bias": bias, "parallel_tool_calls": False}
+
+
+def history_with_reasoning() -> list[dict[str, Any]]:
+    """A user turn, an assistant turn with reasoning and a call, and the call's result."""
+    return [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "I should look it up.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
+    ]
+
+
+def recording_cases(
+    tokenizer: Any, model: str = SERVED_MODEL, *, thinking: Mapping[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
+    """name -> request (``{"get": path}`` or a chat completion body) of each recording.
+
+    ``thinking``: extra fields of the requests that think (a ``logit_bias`` that keeps a
+    random model from writing nothing but ``<think>``, which a parser drops)."""
+    user = [{"role": "user", "content": QUESTION}]
+    off = {"enable_thinking": False}
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    paris = tokenizer.convert_tokens_to_ids("Paris")
+    think = dict(thinking or {})
+
+    def chat(**fields: Any) -> dict[str, Any]:
+        return {"model": model, "messages": user, "temperature": 0.0, "max_tokens": 8, **fields}
+
+    return {
+        "models": {"get": "/v1/models"},
+        "chat_thinking": chat(**think),
+        "chat_no_thinking": chat(chat_template_kwargs=off),
+        "chat_stop_eos": chat(chat_template_kwargs=off, logit_bias={str(eos): 100.0}),
+        "chat_stop_string": chat(
+            chat_template_kwargs=off, logit_bias={str(paris): 100.0}, stop=["Paris"]
+        ),
+        "chat_tool_call": chat(
+            chat_template_kwargs=off,
+            max_tokens=128,  # the call is ~75 tokens of this byte-level vocabulary
+            tools=[WEATHER_TOOL],
+            **forced_tool_call_body(tokenizer),
+        ),
+        "chat_token_ids": chat(return_token_ids=True, **think),
+        "chat_history": chat(
+            messages=history_with_reasoning(),
+            tools=[WEATHER_TOOL],
+            max_tokens=4,
+            return_token_ids=True,
+        ),
+        "error_context_too_long": chat(
+            messages=[{"role": "user", "content": " ".join(["capital"] * 1100)}]
+        ),
+        "error_context_with_max_tokens": chat(
+            messages=[{"role": "user", "content": " ".join(["capital"] * 1000)}], max_tokens=100
+        ),
+        "error_malformed": {"model": model, "messages": "hi", "max_tokens": 4},
+    }
+
+
+def returned_prompt_ids(response: Any) -> list[int] | None:
+    """The prompt ids of a ``return_token_ids`` answer: in the choice (SGLang) or at the
+    top level (vLLM); None when there are none."""
+    if not isinstance(response, dict):
+        return None
+    choices = response.get("choices") or [{}]
+    ids = choices[0].get("prompt_token_ids", response.get("prompt_token_ids"))
+    return list(ids) if ids is not None else None
+
+
+def record_bodies(
+    server: ChatServer,
+    tokenizer: Any,
+    cases: Mapping[str, Mapping[str, Any]],
+    out_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Send each case (:func:`recording_cases`) to ``server``; returns name ->
+    ``{"request", "status", "response"}`` (plus ``prompt_text``, the decoded prompt ids,
+    where the server returned them) and writes each as ``{out_dir}/{name}.json`` if given."""
+    records: dict[str, dict[str, Any]] = {}
+    for name, request in cases.items():
+        if "get" in request:
+            status, response = server.get(request["get"])
+        else:
+            status, response = server.chat(request)
+        record: dict[str, Any] = {"request": dict(request), "status": status, "response": response}
+        prompt_ids = returned_prompt_ids(response)
+        if prompt_ids is not None:
+            record["prompt_text"] = tokenizer.decode(prompt_ids)
+        records[name] = record
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, record in records.items():
+            text = json.dumps(record, indent=1, ensure_ascii=False) + "\n"
+            (out / f"{name}.json").write_text(text, encoding="utf-8")
+    return records
+
+
+def load_recorded(directory: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """The committed recordings of ``directory``, name -> record."""
+    return {
+        p.stem: json.loads(p.read_text(encoding="utf-8"))
+        for p in sorted(Path(directory).glob("*.json"))
+    }
+
+
+def json_shape(value: Any) -> Any:
+    """The keys, types and nesting of a JSON value, without its values: objects keep their
+    keys (sorted), a list becomes the sorted distinct shapes of its items."""
+    if isinstance(value, dict):
+        return {k: json_shape(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        shapes = {json.dumps(json_shape(v), sort_keys=True) for v in value}
+        return [json.loads(s) for s in sorted(shapes)]
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    return type(value).__name__
+
+
+def assert_shapes_as_recorded(
+    records: Mapping[str, Mapping[str, Any]], directory: str | os.PathLike[str], what: str
+) -> None:
+    """Fresh ``records`` have the statuses and response shapes of the committed ones."""
+    committed = load_recorded(directory)
+    assert committed.keys() == records.keys(), f"re-record {directory} ({what})"
+    for name, record in records.items():
+        assert json_shape(record["response"]) == json_shape(committed[name]["response"]), name
+        assert record["status"] == committed[name]["status"], name
+
+
+def rerecord(
+    description: str,
+    default_out: Path,
+    record: Callable[[Path, Path], None],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """A module's re-recording command line: ``record(model_dir, tmp)`` starts a server
+    on a fresh tiny Qwen3 (made in ``tmp`` by the caller) and records into ``--out``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default=str(default_out))
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        record(Path(args.out), Path(tmp))
+    print(f"recorded into {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- the workflow
+
+
+def server_workflow(
+    tmp_path: Path,
+    model_dir: Path,
+    server: ChatServer,
+    datasets: dict[str, dict[str, Any]],
+    name: str = "wf",
+    *,
+    chat_template_kwargs: dict[str, Any],
+    **generation: Any,
+) -> Workflow:
+    """A workflow copy whose generate rule uses ``server`` (``backend: openai``)."""
+    settings: dict[str, Any] = {
+        "backend": "openai",
+        "endpoints": [server.url],
+        "served_model": server.model_name,
+        "request_timeout_s": 600,
+    }
+    settings.update(generation)
+    return new_workflow(
+        tmp_path,
+        model_dir,
+        datasets,
+        name,
+        model={"chat_template_kwargs": chat_template_kwargs},
+        generation=settings,
+    )
+
+
+def job_log(wf: Workflow, dataset: str) -> str:
+    return wf.path(f"logs/generate/{dataset}.log").read_text(encoding="utf-8")
+
+
+@contextlib.contextmanager
+def server_log_on_failure(server: ChatServer, offset: int, label: str) -> Iterator[None]:
+    """An assertion that fails inside gets what the server logged since ``offset``."""
+    try:
+        yield
+    except AssertionError as exc:
+        tail = server.log_text(offset)[-6000:]
+        raise AssertionError(f"{exc}\n--- {label} log ({server.log_path}) ---\n{tail}") from None
+
+
+def tool_prompts() -> list[dict[str, Any]]:
+    """Three ``messages`` records offering :data:`WEATHER_TOOL`: a question alone, a
+    history with one call and its result, and one with two calls and their results."""
+
+    def call(cid: str, city: str) -> dict[str, Any]:
+        arguments = json.dumps({"city": city})
+        return {
+            "id": cid,
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments},
+        }
+
+    def result(cid: str, text: str) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": cid, "name": "get_weather", "content": text}
+
+    ask = {"role": "user", "content": "What is the weather in Paris?"}
+    return [
+        {"id": "t0", "messages": [ask], "tools": [WEATHER_TOOL]},
+        {
+            "id": "t1",
+            "messages": [
+                ask,
+                {"role": "assistant", "content": "", "tool_calls": [call("src_1", "Paris")]},
+                result("src_1", "sunny"),
+                {"role": "assistant", "content": "It is sunny."},
+            ],
+            "tools": [WEATHER_TOOL],
+        },
+        {
+            "id": "t2",  # the source called twice; the regenerated turn calls once
+            "messages": [
+                ask,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [call("src_a", "Paris"), call("src_b", "Berlin")],
+                },
+                result("src_a", "sunny"),
+                result("src_b", "rainy"),
+                {"role": "assistant", "content": "Sunny and rainy."},
+            ],
+            "tools": [WEATHER_TOOL],
+        },
+    ]

@@ -93,3 +93,15 @@ def test_token_ids_are_stored_once_and_read_back_per_turn() -> None:
     assert turn_token_ids(TURNS) == [None, None]
     with pytest.raises(ValueError, match="prompt_shared 9 exceeds"):
         turn_token_ids([{"token_ids": {"prompt_shared": 9, "prompt": [], "completion": []}}])
+
+
+def test_the_summary_reads_records_with_token_ids_as_without() -> None:
+    from eagle3data.generation.records import compact_token_ids
+
+    with_ids = [
+        {**TURNS[0], "token_ids": compact_token_ids([], [1, 2, 3], [4, 5])},
+        {**TURNS[1], "token_ids": None},
+    ]
+    plain = summarise_lines(dumps_line(ok_record("p1", "h1", MESSAGES, TURNS)).encode())
+    ids = summarise_lines(dumps_line(ok_record("p1", "h1", MESSAGES, with_ids)).encode())
+    assert ids.equals(plain)

@@ -13,7 +13,7 @@ from support.workflow import new_workflow, sharegpt_prompts, write_prompts
 
 from eagle3data.config import validate_config
 from eagle3data.layout import Results
-from eagle3data.monitor.snapshot import agreement_cell
+from eagle3data.monitor.snapshot import agreement_cell, token_ids_cell
 from eagle3data.monitor.status import snapshots
 
 pytestmark = pytest.mark.e2e
@@ -49,3 +49,10 @@ def test_the_demo_model_agrees_with_its_own_tokens(tmp_path: Path, smollm2_dir: 
     assert agreement_cell(row.agreement) == (
         f"{check['agreement']:.2f}/{check['control_agreement']:.2f}"
     )
+    # Trained on the in-process engine's own ids; the status says how many of those turns
+    # the template re-renders identically.
+    ids = manifest["token_ids"]
+    turns = sum(len(r["turns"]) for r in wf.responses("A1"))
+    assert ids["turns_from_engine_ids"] == turns and ids["turns_from_rerender"] == 0
+    assert ids["identical_to_rerender"] + ids["differ_from_rerender"] == turns
+    assert token_ids_cell(row.token_ids) == f"{ids['identical_to_rerender']}/{turns}"

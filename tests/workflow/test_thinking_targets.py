@@ -12,6 +12,7 @@ and is checked against oracles that do not use our chat module: the Kimi tokeniz
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -177,7 +178,10 @@ def samples_from_engine_ids(tokenizer: Any, response: dict[str, Any], thinking: 
         assert got == want if turn["finish_reason"] == "stop" else want.startswith(got)
         views.append((i, prompt, completion))
         done = prompt + completion
-    whole = all(p[: len(v[1]) + len(v[2])] == v[1] + v[2] for v, (_, p, _) in zip(views, views[1:]))
+    whole = all(
+        now[1][: len(last[1]) + len(last[2])] == last[1] + last[2]
+        for last, now in itertools.pairwise(views)
+    )
     if whole:
         _, prompt, completion = views[-1]
         mask = [0] * (len(prompt) + len(completion))
@@ -359,3 +363,32 @@ def test_qwen3_thinking_through_a_reasoning_server(tmp_path: Path) -> None:
                     out = model(torch.tensor(s["input_ids"])[None], output_hidden_states=True)
                 got_last = torch.from_numpy(s["last_hidden_states"])
                 torch.testing.assert_close(got_last, out.hidden_states[-1][0], rtol=1e-4, atol=1e-4)
+
+
+def test_rows_without_ids_still_train_and_show_what_the_ids_fix(
+    tmp_path: Path, kimi_dirs: dict[str, Path]
+) -> None:
+    """The same thinking run tokenized from the engine's ids and, its ids removed as in
+    rows written before they were kept, from the re-render: both validate, and only the
+    ids reach the agreement of thinking off (README "Validation" reports both)."""
+    wf = kimi_workflow(tmp_path, kimi_dirs["plain"], "wf", thinking=True, server_url=None)
+    wf.run()
+    manifest_path = wf.path("results/hidden_states/A1/manifest.json")
+    with_ids = json.loads(manifest_path.read_text())
+    responses = wf.path("results/responses/A1.jsonl")
+    rows = [json.loads(line) for line in responses.read_text().splitlines()]
+    for r in rows:
+        for turn in r["turns"]:
+            del turn["token_ids"]
+    responses.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # What re-rendered data needed to pass before ids were kept (the fixture's 0.81).
+    wf.config["validate"]["agreement"]["min_agreement"] = 0.7
+    wf.write_config()
+    wf.run()
+    without = json.loads(manifest_path.read_text())
+    assert without["token_ids"]["turns_from_engine_ids"] == 0
+    assert without["token_ids"]["turns_from_rerender"] == sum(len(r["turns"]) for r in rows)
+    assert with_ids["token_ids"]["turns_from_rerender"] == 0
+    after, before = with_ids["agreement"]["agreement"], without["agreement"]["agreement"]
+    print(f"\nKimi-shaped, thinking: agreement {before:.4f} re-rendered, {after:.4f} from ids")
+    assert after >= 0.95 and before < after - 0.05

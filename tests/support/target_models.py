@@ -732,8 +732,11 @@ def kimi_text_decoder(out: Path) -> DeepseekV3ForCausalLM:
     return model.eval()
 
 
-def make_qwen3_dir(out: Path) -> Path:
-    """A tiny random Qwen3 with the real Qwen3 thinking template (``enable_thinking``)."""
+def make_qwen3_dir(out: Path, *, head_dim: int = 16) -> Path:
+    """A tiny random Qwen3 with the real Qwen3 thinking template (``enable_thinking``).
+
+    ``head_dim``: 16 by default; vLLM's CPU attention runs only 32 and up (its
+    ``get_supported_head_sizes``), so ``tests/vllm/`` serves one with 32."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -748,7 +751,7 @@ def make_qwen3_dir(out: Path) -> Path:
         num_hidden_layers=8,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=1024,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,

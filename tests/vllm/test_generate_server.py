@@ -1,0 +1,505 @@
+"""The generate rule against real vLLM: ``generation.backend: openai`` talking to vLLM
+0.32's ``api_server`` on CPU (``tests/support/vllm_server.py``, whose docstring lists what
+was checked), serving a tiny random Qwen3 (head size 32) with Qwen3's real thinking
+template, the ``qwen3`` reasoning parser and the ``hermes`` tool-call parser. The server
+runs from ``.venv-vllm``; these tests and the workflow from ``.venv``.
+
+One server serves the whole module. What the server sent is recorded into
+``tests/data/vllm/`` (re-record: ``EAGLE3DATA_RECORD_VLLM=tests/data/vllm .venv/bin/pytest
+tests/vllm/test_generate_server.py -k sends``, or ``PYTHONPATH=tests .venv/bin/python -m
+support.vllm_server``); ``tests/unit/test_fake_openai.py`` holds the fake server's vLLM
+dialect to those shapes.
+
+Nothing here asserts generated text (a random model's greedy text is whatever the CPU's
+kernels make of near-ties); the model's lengths are pinned by ``ignore_eos`` where a test
+needs them, and its tool calls by the server's grammar (``tool_choice: required``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.real_servers import (
+    QUESTION,
+    SERVED_MODEL,
+    WEATHER_TOOL,
+    assert_shapes_as_recorded,
+    forced_tool_call_body,
+    job_log,
+    record_bodies,
+    server_log_on_failure,
+    server_workflow,
+    tool_prompts,
+)
+from support.target_models import make_qwen3_dir
+from support.vllm_server import (
+    HEAD_DIM,
+    RECORD_ENV,
+    RECORDED_DIR,
+    RequestLog,
+    VLLMServer,
+    thinking_fields,
+    vllm_recording_cases,
+)
+from support.workflow import Workflow, kill_group, sharegpt_prompts, write_prompts
+
+from eagle3data.chat import render
+from eagle3data.generation.records import turn_token_ids
+from eagle3data.prompts.sources import read_prompts, seeded_order
+
+pytestmark = pytest.mark.e2e
+
+MAX_NUM_SEQS = 4  # requests the server decodes together; the rest wait
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_qwen3_dir(tmp_path_factory.mktemp("qwen3") / "tiny-qwen3", head_dim=HEAD_DIM)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path) -> Iterator[VLLMServer]:
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    with VLLMServer(qwen3_dir, log_path=log, max_num_seqs=MAX_NUM_SEQS) as running:
+        print(f"\nvLLM server ready in {running.startup_s:.0f} s (log: {log})")
+        yield running
+    print(f"\nvLLM server stopped in {running.stop_s:.1f} s, no process of it left")
+
+
+def log_on_failure(server: VLLMServer, offset: int) -> contextlib.AbstractContextManager[None]:
+    return server_log_on_failure(server, offset, "vLLM server")
+
+
+def finished_since(server: VLLMServer, before: Mapping[str, float]) -> dict[str, int]:
+    """Requests that ended in the engine since ``before`` (a :meth:`finished_counts`), by
+    finish reason, the ones that did."""
+    now = server.finished_counts()
+    return {k: int(v - before.get(k, 0.0)) for k, v in now.items() if v > before.get(k, 0.0)}
+
+
+def wait_until_settled(
+    server: VLLMServer, offset: int, before: Mapping[str, float]
+) -> tuple[RequestLog, dict[str, int]]:
+    """Wait (bounded) until the engine holds no request and every request it got since
+    ``offset`` either finished or was aborted; returns (the request log, finished since
+    ``before`` by reason)."""
+    deadline = time.monotonic() + 60
+    while True:
+        log, finished = server.requests_since(offset), finished_since(server, before)
+        settled = len(log.aborted) + sum(finished.values()) >= len(log.received)
+        if (settled and server.in_engine() == 0) or time.monotonic() > deadline:
+            return log, finished
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def peak_running(server: VLLMServer, interval: float = 0.05) -> Iterator[list[int]]:
+    """Poll ``vllm:num_requests_running`` while the block runs; yields a list whose one
+    item is the most seen at once."""
+    peak, stop = [0], threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                running = server.metrics().get("vllm:num_requests_running", 0.0)
+                peak[0] = max(peak[0], int(running))
+            stop.wait(interval)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def wire(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A history message as ``/tokenize`` must be given it to render what chat completions
+    render: the fields the engine sends, ``reasoning_content`` named ``reasoning`` (chat
+    completions rename it themselves; /tokenize drops it)."""
+    keys = ("role", "content", "tool_calls", "tool_call_id", "name")
+    out = {k: v for k, v in message.items() if k in keys}
+    if message.get("reasoning_content") is not None:
+        out["reasoning"] = message["reasoning_content"]
+    return out
+
+
+def as_vllm_renders(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tools as vLLM's chat completions hand them to the template: re-serialised by its
+    ChatCompletionToolsParam and FunctionDefinition models, keys in their order (type,
+    function: name, description, parameters, strict), ``description`` null when absent,
+    ``strict`` dropped when absent, unknown keys dropped; ``parameters`` as sent."""
+    out = []
+    for tool in tools:
+        f = tool["function"]
+        function = {"name": f["name"], "description": f.get("description")}
+        function["parameters"] = f.get("parameters")
+        if f.get("strict") is not None:
+            function["strict"] = f["strict"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def assert_ids_as_served(
+    server: VLLMServer,
+    row: Mapping[str, Any],
+    chat_template_kwargs: Mapping[str, Any],
+    tools: list[dict[str, Any]] | None = None,
+) -> None:
+    """Every turn of ``row`` kept the ids vLLM returned: its prompt ids are vLLM's own
+    render of the history before it (``/tokenize``), its completion ids as many as
+    ``usage.completion_tokens``. ``tools``: as the source gave them (the row keeps them with
+    its keys sorted, the request sends them as given, and the order reaches the prompt)."""
+    turns = row["turns"]
+    ids = turn_token_ids(turns)
+    answers = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"]
+    assert len(ids) == len(answers) == len(turns), row["id"]
+    for k, (at, turn, pair) in enumerate(zip(answers, turns, ids, strict=True)):
+        assert pair is not None, f"{row['id']} turn {k}: no token ids"
+        prompt, completion = pair
+        history = [wire(m) for m in row["messages"][:at]]
+        fields: dict[str, Any] = {"chat_template_kwargs": dict(chat_template_kwargs)}
+        if tools:
+            fields["tools"] = tools
+        assert prompt == server.tokenize(history, **fields), f"{row['id']} turn {k}"
+        assert len(prompt) == turn["prompt_tokens"], f"{row['id']} turn {k}"
+        assert len(completion) == turn["completion_tokens"], f"{row['id']} turn {k}"
+
+
+# --------------------------------------------------------------------------- the bodies
+
+
+def test_what_the_server_sends(server: VLLMServer, tokenizer: Any, tmp_path: Path) -> None:
+    """Record every kind of body and check the facts the support module states about them;
+    the committed recordings must still have the shapes the server sends now."""
+    offset = server.log_offset()
+    cases = vllm_recording_cases(tokenizer, server.model_name or SERVED_MODEL)
+    records = record_bodies(server, tokenizer, cases, os.environ.get(RECORD_ENV) or tmp_path)
+    r = {name: record["response"] for name, record in records.items()}
+    status = {name: record["status"] for name, record in records.items()}
+    eos, paris = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("Paris")
+    with log_on_failure(server, offset):
+        [model] = r["models"]["data"]
+        assert (model["id"], model["owned_by"], model["max_model_len"]) == (
+            SERVED_MODEL,
+            "vllm",
+            1024,
+        )
+        assert model["root"] == str(server.model)
+
+        # Thinking on: everything before a </think> is reasoning, in message.reasoning.
+        thinking = r["chat_thinking"]
+        choice, usage = thinking["choices"][0], thinking["usage"]
+        assert choice["finish_reason"] == "length" and usage["completion_tokens"] == 8
+        message = choice["message"]
+        assert message["reasoning"] and "reasoning_content" not in message
+        assert message["content"] is None  # null, where SGLang sends ""
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 8}
+        assert "reasoning_tokens" not in usage
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert {"stop_reason", "token_ids", "logprobs"} <= choice.keys()
+        assert choice["token_ids"] is None  # not asked for
+        assert thinking["prompt_token_ids"] is None
+
+        plain = r["chat_no_thinking"]
+        message = plain["choices"][0]["message"]
+        assert message["reasoning"] is None and isinstance(message["content"], str)
+        assert plain["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+
+        stop_eos = r["chat_stop_eos"]["choices"][0]
+        assert (stop_eos["finish_reason"], stop_eos["stop_reason"]) == ("stop", None)
+        assert stop_eos["message"]["content"] == ""
+        assert r["chat_stop_eos"]["usage"]["completion_tokens"] == 1
+        stop = r["chat_stop_string"]["choices"][0]
+        assert (stop["finish_reason"], stop["stop_reason"]) == ("stop", "Paris")
+        assert stop["message"]["content"] == ""  # the stop string is cut from the text
+
+        called = r["chat_tool_call"]["choices"][0]
+        assert called["finish_reason"] == "tool_calls" and called["message"]["content"] == ""
+        [call] = called["message"]["tool_calls"]
+        assert call.keys() == {"id", "type", "function"}  # no "index", unlike SGLang's
+        assert re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", call["id"])
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Berlin")
+
+        # return_token_ids: the prompt's at the top level, the completion's in the choice.
+        user = [{"role": "user", "content": QUESTION}]
+        for name, kwargs in (
+            ("chat_token_ids", {}),
+            ("chat_token_ids_length", {"enable_thinking": False}),
+        ):
+            with_ids = r[name]
+            choice = with_ids["choices"][0]
+            assert "prompt_token_ids" not in choice, name
+            assert choice["finish_reason"] == "length", name
+            assert len(choice["token_ids"]) == with_ids["usage"]["completion_tokens"] == 8, name
+            ours = render(tokenizer, user, add_generation_prompt=True, chat_template_kwargs=kwargs)
+            expected = tokenizer.encode(ours, add_special_tokens=False)
+            assert with_ids["prompt_token_ids"] == expected, name
+            assert server.tokenize(user, chat_template_kwargs=kwargs) == expected, name
+        # The end token is in the ids and counted; so is a stop string's token, which
+        # the text leaves out.
+        ended = r["chat_token_ids_eos"]
+        assert ended["choices"][0]["finish_reason"] == "stop"
+        assert ended["choices"][0]["token_ids"][-1] == eos
+        assert ended["usage"]["completion_tokens"] == len(ended["choices"][0]["token_ids"]) == 4
+        stopped = r["chat_token_ids_stop_string"]
+        assert stopped["choices"][0]["stop_reason"] == "Paris"
+        assert stopped["choices"][0]["token_ids"] == [paris]
+        assert stopped["choices"][0]["message"]["content"] == ""
+        assert stopped["usage"]["completion_tokens"] == 1
+
+        # History with reasoning, a call and its result is rendered, but the tools reach
+        # the template re-serialised by vLLM's model: keys in its order.
+        history = records["chat_history"]
+        messages, tools = history["request"]["messages"], history["request"]["tools"]
+        assert status["chat_history"] == 200
+        assert "I should look it up." in history["prompt_text"]
+        assert "<tool_response>\nsunny\n</tool_response>" in history["prompt_text"]
+        as_sent = render(tokenizer, messages, tools=tools, add_generation_prompt=True)
+        assert history["prompt_text"] != as_sent
+        assert history["prompt_text"] == render(
+            tokenizer, messages, tools=as_vllm_renders(tools), add_generation_prompt=True
+        )
+        # /tokenize renders the same (its tools re-serialised the same way) only with the
+        # history's reasoning named "reasoning": it does not rename reasoning_content as
+        # chat completions do, and drops it.
+        prompt_ids = history["response"]["prompt_token_ids"]
+        assert server.tokenize([wire(m) for m in messages], tools=tools) == prompt_ids
+        assert server.tokenize(messages, tools=tools) != prompt_ids
+
+        # Errors: OpenAI's nested body. A prompt longer than the context is a 400; one that
+        # fits but not with max_tokens gets what is left (max_tokens clamped: 200).
+        for name in ("error_context_too_long", "error_malformed"):
+            assert status[name] == 400, name
+            assert r[name].keys() == {"error"}, name
+            assert r[name]["error"].keys() == {"message", "type", "param", "code"}, name
+            assert r[name]["error"]["code"] == 400, name
+        too_long = r["error_context_too_long"]["error"]
+        assert (too_long["type"], too_long["param"]) == ("BadRequestError", "input_tokens")
+        assert too_long["message"].startswith("This model's maximum context length is 1024")
+        assert r["error_malformed"]["error"]["type"] == "Bad Request"
+        clamped = r["error_context_with_max_tokens"]
+        assert status["error_context_with_max_tokens"] == 200
+        assert clamped["choices"][0]["finish_reason"] == "length"
+        assert clamped["usage"]["total_tokens"] == 1024
+
+        # Only what reached the engine is logged: not the two 400s.
+        assert len(server.requests_since(offset).received) == len(cases) - 3
+
+    assert_shapes_as_recorded(records, RECORDED_DIR, "module docstring")
+
+
+# --------------------------------------------------------------------------- the generate rule
+
+
+def test_reasoning_budget_batching_and_cancelled_requests(
+    server: VLLMServer, qwen3_dir: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    """Thinking on, 8 requests sent at once to a server that decodes 4 together, a budget
+    of 2.5 answers: the first two fit and the third decides the prefix while the others
+    decode or wait on the server; those must be aborted there, not run to their end."""
+    max_tokens = 512  # a wave of 4 takes seconds: the cancel comes while the next decodes
+    questions = [
+        {"id": f"c{i}", "conversations": [{"from": "human", "value": f"Story {i}, please."}]}
+        for i in range(8)
+    ]
+    prompts = write_prompts(tmp_path / "A1.jsonl", questions)
+    order = [c.id for c in seeded_order(read_prompts(prompts, "sharegpt").conversations, 0)]
+    budget = int(2.5 * max_tokens)
+    thinking = {"enable_thinking": True}
+    wf = server_workflow(
+        tmp_path,
+        qwen3_dir,
+        server,
+        {"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": budget}},
+        chat_template_kwargs=thinking,
+        concurrency=8,
+        sampling={"temperature": 0.0, "max_tokens": max_tokens},
+        # Every answer exactly max_tokens (the plan is fixed), and reasoning to parse.
+        extra_body={"ignore_eos": True, **thinking_fields(tokenizer)},
+    )
+    offset, before = server.log_offset(), server.finished_counts()
+    with peak_running(server) as peak:
+        wf.run("results/responses/A1.jsonl")
+    log, finished = wait_until_settled(server, offset, before)
+
+    with log_on_failure(server, offset):
+        rows, stats = wf.responses("A1"), wf.stats("A1")
+        assert [row["id"] for row in rows] == order[:2]
+        assert (stats["stop_reason"], stats["completion_tokens"]) == ("token_budget", 1024)
+        for row in rows:
+            user, answer = row["messages"]
+            assert user["role"] == "user" and answer["role"] == "assistant"
+            # vLLM's message.reasoning became the row's reasoning_content; content null -> "".
+            assert answer["reasoning_content"] and answer["content"] == ""
+            assert "<think>" not in answer["reasoning_content"]
+            [turn] = row["turns"]
+            assert turn == {
+                "finish_reason": "length",
+                "prompt_tokens": turn["prompt_tokens"],
+                "completion_tokens": max_tokens,  # the server's usage, reasoning included
+                "token_ids": turn["token_ids"],
+            }
+            assert row["usage"]["completion_tokens"] == max_tokens
+            assert_ids_as_served(server, row, thinking)
+        journaled = len(wf.journal_lines("A1"))
+        assert 3 <= journaled < 8
+        assert stats["generated_tokens_total"] == journaled * max_tokens
+        assert stats["waste_tokens"] == (journaled - 2) * max_tokens
+        [cancelled] = re.findall(r"A1: cancelled (\d+) requests in flight", job_log(wf, "A1"))
+        assert int(cancelled) == 8 - journaled
+
+        # Server side: all 8 arrived; it decoded several together; what we journaled ran
+        # to its end, and every request we dropped, decoding or waiting, was aborted at
+        # once and never finished (vLLM logs each abort; its request_success_total does
+        # not count them as "abort": the support module).
+        assert len(log.received) == 8
+        assert 2 <= peak[0] <= MAX_NUM_SEQS
+        assert finished == {"length": journaled}
+        assert len(log.aborted) == int(cancelled) and set(log.aborted) <= set(log.received)
+        assert server.in_engine() == 0
+    print(f"\n{peak[0]} decoded at once; cancelled {cancelled}, the server aborted them")
+
+
+def test_thinking_off_gives_content_and_the_ids_of_each_turn(
+    server: VLLMServer, qwen3_dir: Path, tmp_path: Path
+) -> None:
+    """Thinking off (the template closes the think block): answers are content, no
+    reasoning; multi-turn prompts keep each turn's ids as vLLM rendered them."""
+    prompts = write_prompts(tmp_path / "B1.jsonl", sharegpt_prompts(6))
+    off = {"enable_thinking": False}
+    wf = server_workflow(
+        tmp_path,
+        qwen3_dir,
+        server,
+        {"B1": {"path": str(prompts), "format": "sharegpt"}},
+        chat_template_kwargs=off,
+        concurrency=3,
+        sampling={"temperature": 0.0, "max_tokens": 24},
+    )
+    offset = server.log_offset()
+    wf.run("results/responses/B1.jsonl")
+    with log_on_failure(server, offset):
+        rows = {row["id"]: row for row in wf.responses("B1")}
+        assert len(rows) == 6 and len(rows["q0005"]["turns"]) == 2
+        for row in rows.values():
+            for answer in (m for m in row["messages"] if m["role"] == "assistant"):
+                assert isinstance(answer["content"], str) and "reasoning_content" not in answer
+            assert_ids_as_served(server, row, off)
+        assert wf.stats("B1")["turns_without_token_ids"] == 0
+
+
+def test_tool_calls_are_parsed_into_the_rows(
+    server: VLLMServer, qwen3_dir: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    """Thinking off, the call forced by vLLM's grammar and parsed by ``hermes``: each
+    regenerated turn is a parsed call, the source's tool result relinked to it."""
+    prompts = tmp_path / "T1.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in tool_prompts()), encoding="utf-8")
+    off = {"enable_thinking": False}
+    wf = server_workflow(
+        tmp_path,
+        qwen3_dir,
+        server,
+        {"T1": {"path": str(prompts), "format": "messages"}},
+        chat_template_kwargs=off,
+        concurrency=3,
+        sampling={"temperature": 0.0, "max_tokens": 128},
+        extra_body=forced_tool_call_body(tokenizer),
+    )
+    offset = server.log_offset()
+    wf.run("results/responses/T1.jsonl")
+    with log_on_failure(server, offset):
+        rows = {row["id"]: row for row in wf.responses("T1")}
+        assert rows.keys() == {"t0", "t1", "t2"}
+        assert wf.path("results/responses/T1.errors.jsonl").read_text() == ""
+        for row in rows.values():
+            assert row["tools"] == [WEATHER_TOOL]
+            answers = [m for m in row["messages"] if m["role"] == "assistant"]
+            assert len(answers) == len(row["turns"]) == {"t0": 1, "t1": 2, "t2": 2}[row["id"]]
+            for answer, turn in zip(answers, row["turns"], strict=True):
+                [call] = answer["tool_calls"]  # parallel_tool_calls: false
+                assert answer["content"] == "" and call["type"] == "function"
+                assert call["id"].startswith("chatcmpl-tool-")
+                assert call["function"]["name"] == "get_weather"
+                assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Berlin")
+                assert turn["finish_reason"] == "tool_calls" and turn["completion_tokens"] > 0
+                assert turn["token_ids"]["completion"][-1] == tokenizer.eos_token_id
+            assert_ids_as_served(server, row, off, [WEATHER_TOOL])
+        _, first, tool, second = rows["t1"]["messages"]
+        assert tool == {
+            "role": "tool",
+            "tool_call_id": first["tool_calls"][0]["id"],  # relinked to the regenerated call
+            "name": "get_weather",
+            "content": "sunny",
+        }
+        assert second["tool_calls"][0]["id"] != first["tool_calls"][0]["id"]  # random ids
+        results = [m for m in rows["t2"]["messages"] if m["role"] == "tool"]
+        assert [m["tool_call_id"] for m in results] == ["src_a", "src_b"]
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_output(
+    server: VLLMServer, qwen3_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL the whole Snakemake process tree mid-generation: vLLM aborts what the dead
+    job had in flight, and unlock + the same command finishes with the file an
+    uninterrupted run against the same server wrote (greedy vLLM with one OpenMP thread
+    does not depend on the batch: see the support module)."""
+    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(10))
+    datasets = {"A1": {"path": str(prompts), "format": "sharegpt"}}
+    off = {"enable_thinking": False}
+    options: dict[str, Any] = {
+        "chat_template_kwargs": off,
+        "concurrency": 2,
+        "sampling": {"temperature": 0.0, "max_tokens": 128},
+        "extra_body": {"ignore_eos": True},
+    }
+    reference = server_workflow(tmp_path, qwen3_dir, server, datasets, "reference", **options)
+    reference.run("results/responses/A1.jsonl")
+
+    wf: Workflow = server_workflow(tmp_path, qwen3_dir, server, datasets, "killed", **options)
+    target = "results/responses/A1.jsonl"
+    offset, before = server.log_offset(), server.finished_counts()
+    proc = wf.start(target)
+    deadline = time.monotonic() + 300
+    # Kill once 3 conversations are journaled and a request is in the engine.
+    while len(wf.journal_lines("A1")) < 3 or server.in_engine() == 0:
+        assert proc.poll() is None, "generation finished before it could be killed"
+        assert time.monotonic() < deadline, "no progress in 300 s"
+        time.sleep(0.05)
+    assert kill_group(proc, signal.SIGKILL) != 0
+    partial = wf.journal_lines("A1")
+    assert len(partial) < 10 and not wf.path(target).exists(), "no partial declared output"
+    log, finished = wait_until_settled(server, offset, before)
+    with log_on_failure(server, offset):
+        # Every request the dead job left unfinished was aborted, none is left running.
+        unfinished = len(log.received) - sum(finished.values())
+        assert len(log.aborted) == unfinished
+        assert server.in_engine() == 0
+    print(f"\nkilled after {len(partial)} of 10 records; the server aborted {unfinished}")
+
+    wf.run("--unlock")
+    wf.run(target)
+    wf.assert_resumed("A1", partial, reference)
+    assert wf.stats("A1")["in_output"] == 10
+    for row in wf.responses("A1"):
+        assert_ids_as_served(server, row, off)

@@ -1,18 +1,53 @@
 """A fake OpenAI-compatible chat server for fault-injection tests and benchmarks.
 
 It speaks the two endpoints the HTTP generation backend uses, non-streaming, in the
-shapes SGLang 0.5.23 sends (the keys, types and nesting of ``tests/data/sglang/``, what
-the real server answered; ``tests/unit/test_fake_openai.py`` holds the fake to them):
+shapes of one of two real servers, its ``dialect`` (the keys, types and nesting of what the
+real server answered, recorded in ``tests/data/sglang/`` and ``tests/data/vllm/``;
+``tests/unit/test_fake_openai.py`` holds the fake to both):
 
-* ``POST {base}/chat/completions`` -> a ``chat.completion`` object with ``usage``
-  (``reasoning_tokens`` and ``completion_tokens_details`` included), each choice with
-  ``matched_stop`` and ``logprobs``, a top-level ``metadata``;
+* ``POST {base}/chat/completions`` -> a ``chat.completion`` object with ``usage``;
 * ``GET {base}/models`` -> ``{"object": "list", "data": [{"id": model, ...}]}``;
-* errors as SGLang's flat ``{"object": "error", "message", "type", "param", "code"}``
-  (``error_style="openai"``: OpenAI's, vLLM's and llama.cpp's ``{"error": {...}}``);
+* errors in the dialect's body;
 
 plus ``GET /stats`` (counters as JSON) and ``POST /stats/reset`` for benchmarks.
 ``base`` is ``http://127.0.0.1:PORT/v1``. The server only ever binds 127.0.0.1.
+
+Dialects
+    ``dialect="sglang"`` (the default), SGLang 0.5.23: ``usage`` with ``reasoning_tokens``
+    and ``completion_tokens_details`` (null without reasoning), each choice with
+    ``matched_stop`` and ``logprobs``, a top-level ``metadata``; the message's reasoning in
+    ``reasoning_content`` (null without), ``content`` "" when all is reasoning; tool calls
+    with an ``index``; errors flat, ``{"object": "error", "message", "type", "param",
+    "code"}``; a prompt that fits but not with ``max_tokens`` more is a 400.
+
+    ``dialect="vllm"``, vLLM 0.32: the message's reasoning in ``reasoning`` (there is no
+    ``reasoning_content``; null without), ``content`` null when all is reasoning, and
+    ``refusal``, ``annotations``, ``audio``, ``function_call`` (null); each choice with
+    ``stop_reason`` (null: the fake has no stop strings), ``token_ids``, ``logprobs``,
+    ``routed_experts``; top-level ``prompt_token_ids``, ``prompt_text``, ``service_tier``,
+    ``system_fingerprint`` and the other keys vLLM sends (null); ``usage`` with
+    ``completion_tokens_details: {"reasoning_tokens": n}`` always and no top-level
+    ``reasoning_tokens``; tool-call ids ``chatcmpl-tool-<16 hex>`` and no ``index``;
+    ``/models`` entries with a ``permission`` list; errors nested, ``{"error": {"message",
+    "type", "param", "code"}}`` with vLLM's ``param`` (``input_tokens``, ``max_tokens``,
+    ``body.messages``, ``model``) and messages; a prompt that fits but not with
+    ``max_tokens`` more gets ``max_tokens`` clamped to what is left (200, ``length``).
+
+    ``error_style`` overrides the dialect's error bodies: ``"sglang"`` (flat),
+    ``"openai"`` (OpenAI's and llama.cpp's nested body, SGLang's ``type`` names) or
+    ``"vllm"`` (nested, vLLM's ``type`` names).
+
+Token ids
+    ``token_ids_fn(body, message) -> (prompt_ids, completion_ids) | None`` is called for a
+    completion whose request asks ``return_token_ids: true``; ``body`` is the request and
+    ``message`` the answer in the form the engine keeps it, the same in both dialects
+    (``role``, ``content`` a string, ``reasoning_content`` and ``tool_calls``, wire form,
+    only when present). The ids it returns go where the dialect puts them: SGLang's
+    ``choices[0].prompt_token_ids`` and ``choices[0].response_token_ids``, vLLM's top-level
+    ``prompt_token_ids`` and ``choices[0].token_ids``. Without the hook, without the flag,
+    or when it returns None, the answer has no ids (SGLang: no keys; vLLM: the keys, null).
+    ``usage`` still counts the fake's words: a hook whose ids must agree with it goes with
+    a ``tokens_fn`` that says as many.
 
 Deterministic completions
     "Tokens" are whitespace-separated words. A conversation (its ``messages``) is
@@ -22,9 +57,9 @@ Deterministic completions
     ``"Answer to: <last user message>"`` until it has ``n`` words. With
     ``reasoning=True`` the first ``min(reasoning_tokens, n)`` tokens go to
     ``reasoning_content`` (words of ``"Thinking about: <last user message>"``) and
-    the rest to ``content`` (``""`` when nothing is left, as SGLang sends it), and
-    ``completion_tokens`` counts both, like vLLM and SGLang do; without reasoning,
-    ``reasoning_content`` is null. ``max_tokens`` (or
+    the rest to ``content`` (``""`` when nothing is left, as SGLang sends it; vLLM: null),
+    and ``completion_tokens`` counts both, like vLLM and SGLang do; without reasoning,
+    ``reasoning_content`` is null (vLLM: ``reasoning``, as the dialects say). ``max_tokens`` (or
     ``max_completion_tokens``) caps ``n``; a capped reply has
     ``finish_reason == "length"``, otherwise ``"stop"``. ``prompt_tokens`` is the
     number of words in all message contents plus one per message. Sampling
@@ -92,6 +127,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -106,10 +142,16 @@ UNBOUNDED_CONTEXT = 1 << 20  # ``max_model_len`` reported without a ``max_model_
 # ---------------------------------------------------------------------------
 
 
-def _default_error_type(code: int) -> str:
+def _default_error_type(code: int, style: str = "sglang") -> str:
     """SGLang's: ``BadRequestError`` for its own 400s, the status as a string for the
-    rest (its HTTPException handler)."""
-    return "BadRequestError" if code == 400 else str(code)
+    rest (its HTTPException handler). vLLM's: ``BadRequestError``, ``NotFoundError``,
+    ``InternalServerError``, else the status's phrase (its ``create_error_response``)."""
+    if code == 400:
+        return "BadRequestError"
+    if style != "vllm":
+        return str(code)
+    named = {404: "NotFoundError", 500: "InternalServerError"}
+    return named.get(code) or HTTPStatus(code).phrase
 
 
 @dataclass(frozen=True)
@@ -119,7 +161,8 @@ class Status:
     ``{"error": {"message", "type", "param", "code"}}``).
 
     ``type`` defaults from the status as SGLang sends it (``BadRequestError`` for 400,
-    else the status as a string), ``error_code`` defaults to the status number.
+    else the status as a string; vLLM's names with ``error_style="vllm"``), ``error_code``
+    defaults to the status number, ``param`` (vLLM's) to null.
     ``retry_after`` adds a ``Retry-After`` header (seconds). ``raw_body`` replaces the
     JSON body verbatim (e.g. an HTML page from a proxy).
     """
@@ -130,6 +173,7 @@ class Status:
     error_code: str | int | None = None
     retry_after: float | None = None
     raw_body: str | None = None
+    param: str | None = None
 
     @classmethod
     def server_error(cls) -> Status:
@@ -159,10 +203,28 @@ class Status:
 
     @classmethod
     def context_length_exceeded(
-        cls, limit: int = 4096, requested: int = 5000, max_tokens: int | None = None
+        cls,
+        limit: int = 4096,
+        requested: int = 5000,
+        max_tokens: int | None = None,
+        *,
+        dialect: str = "sglang",
     ) -> Status:
         """SGLang's 400 for a prompt longer than the context (``max_tokens`` None) or one
-        that fits but not with ``max_tokens`` more."""
+        that fits but not with ``max_tokens`` more; vLLM's for the first (it has none for
+        the second: it clamps ``max_tokens``), which counts a prompt only up to one token
+        past the limit ("at least")."""
+        if dialect == "vllm":
+            if max_tokens is not None:
+                raise ValueError("vLLM clamps max_tokens to the context: no such error")
+            seen = min(requested, limit + 1)
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"prompt contains at least {seen} input tokens, which exceeds this limit "
+                "even without any output tokens. Please reduce the length of the input "
+                f"prompt. (parameter=input_tokens, value={seen})"
+            )
+            return cls(400, message, param="input_tokens")
         if max_tokens is None:
             message = (
                 f"The input ({requested} tokens) is longer than the model's context "
@@ -181,9 +243,10 @@ class Status:
     def error_body(self, style: str = "sglang") -> dict[str, Any]:
         return _error_body(
             self.message,
-            self.type or _default_error_type(self.code),
+            self.type or _default_error_type(self.code, style),
             self.error_code if self.error_code is not None else self.code,
             style,
+            self.param,
         )
 
 
@@ -338,18 +401,22 @@ def reasoning_for(text: str, n: int) -> str:
     return _words("Thinking about: ", text, n)
 
 
-def _tool_call(function: Mapping[str, Any], text: str, messages: Sequence[Any]) -> dict[str, Any]:
-    """A call of ``function`` as SGLang's parsers return it: each required parameter gets
-    the last user text; the id is SGLang's form (its hex is random there, hashed here)."""
+def _tool_call(
+    function: Mapping[str, Any], text: str, messages: Sequence[Any], dialect: str = "sglang"
+) -> dict[str, Any]:
+    """A call of ``function`` as the dialect's parsers return it: each required parameter
+    gets the last user text; the id is the server's form (its hex is random there, hashed
+    here): SGLang's ``call_<24 hex>`` with an ``index``, vLLM's ``chatcmpl-tool-<16 hex>``."""
     parameters = function.get("parameters") or {}
     required = parameters.get("required") if isinstance(parameters, dict) else None
     arguments = {str(key): text for key in required or []}
-    return {
-        "id": f"call_{_hash_int(messages, 'call'):016x}{_hash_int(messages, 'id'):016x}"[:29],
-        "index": 0,
-        "type": "function",
-        "function": {"name": function.get("name"), "arguments": json.dumps(arguments)},
-    }
+    hexes = f"{_hash_int(messages, 'call'):016x}{_hash_int(messages, 'id'):016x}"
+    call: dict[str, Any] = {"id": f"call_{hexes[:24]}", "index": 0}
+    if dialect == "vllm":
+        call = {"id": f"chatcmpl-tool-{hexes[:16]}"}
+    call["type"] = "function"
+    call["function"] = {"name": function.get("name"), "arguments": json.dumps(arguments)}
+    return call
 
 
 def tool_pairing_error(messages: Sequence[Any]) -> str | None:
@@ -393,12 +460,21 @@ def tool_pairing_error(messages: Sequence[Any]) -> str | None:
 # ---------------------------------------------------------------------------
 
 
-ERROR_STYLES = ("sglang", "openai")
+DIALECTS = ("sglang", "vllm")
+ERROR_STYLES = ("sglang", "openai", "vllm")
+TokenIdsFn = Callable[[dict[str, Any], dict[str, Any]], tuple[list[int], list[int]] | None]
 
 
 def _error_body(
-    message: str, type_: str, code: str | int | None, style: str = "sglang"
+    message: str,
+    type_: str,
+    code: str | int | None,
+    style: str = "sglang",
+    param: str | None = None,
 ) -> dict[str, Any]:
+    """The error body of ``style``; ``param`` is vLLM's (the other styles send null)."""
+    if style == "vllm":
+        return {"error": {"message": message, "type": type_, "param": param, "code": code}}
     if style == "openai":
         return {"error": {"message": message, "type": type_, "param": None, "code": code}}
     return {"object": "error", "message": message, "type": type_, "param": None, "code": code}
@@ -446,7 +522,11 @@ class FakeOpenAI:
         call_tools: answer requests that offer tools with a tool call (module doc).
         check_tool_pairing: refuse (400) a history whose tool results do not answer
             the calls before them (SGLang for MiniMax-M3; off: SGLang for other models).
-        error_style: ``"sglang"`` (flat error bodies) or ``"openai"`` (nested).
+        dialect: ``"sglang"`` or ``"vllm"``: whose shapes the answers have (module doc).
+        error_style: None (the dialect's), ``"sglang"`` (flat error bodies), ``"openai"``
+            or ``"vllm"`` (nested).
+        token_ids_fn: ``(body, message) -> (prompt_ids, completion_ids) | None``, the ids
+            of a ``return_token_ids`` answer (module doc); None: answers carry no ids.
     """
 
     def __init__(
@@ -467,10 +547,15 @@ class FakeOpenAI:
         strict_model: bool = False,
         call_tools: bool = False,
         check_tool_pairing: bool = False,
-        error_style: str = "sglang",
+        dialect: str = "sglang",
+        error_style: str | None = None,
+        token_ids_fn: TokenIdsFn | None = None,
     ) -> None:
         if slots is not None and slots < 1:
             raise ValueError("slots must be >= 1 or None")
+        if dialect not in DIALECTS:
+            raise ValueError(f"dialect must be one of {DIALECTS}")
+        error_style = dialect if error_style is None else error_style
         if error_style not in ERROR_STYLES:
             raise ValueError(f"error_style must be one of {ERROR_STYLES}")
         self.model = model
@@ -488,7 +573,9 @@ class FakeOpenAI:
         self.strict_model = strict_model
         self.call_tools = call_tools
         self.check_tool_pairing = check_tool_pairing
+        self.dialect = dialect
         self.error_style = error_style
+        self.token_ids_fn = token_ids_fn
 
         self._lock = threading.Lock()
         self._requests: list[dict[str, Any]] = []
@@ -622,6 +709,23 @@ class FakeOpenAI:
             "parent": None,
             "max_model_len": self.max_model_len or UNBOUNDED_CONTEXT,
         }
+        if self.dialect == "vllm":
+            model["permission"] = [
+                {
+                    "id": "modelperm-fake",
+                    "object": "model_permission",
+                    "created": 0,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ]
         return web.json_response({"object": "list", "data": [model]})
 
     async def _get_stats(self, request: web.Request) -> web.Response:
@@ -660,9 +764,11 @@ class FakeOpenAI:
             self._requests.append(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            return self._error(400, "'messages' must be a non-empty list", "Bad Request", 400)
+            problem = "'messages' must be a non-empty list"
+            return self._error(400, problem, "Bad Request", 400, param="body.messages")
         if not all(isinstance(m, dict) and "role" in m for m in messages):
-            return self._error(400, "each message needs a 'role'", "Bad Request", 400)
+            problem = "each message needs a 'role'"
+            return self._error(400, problem, "Bad Request", 400, param="body.messages")
         if body.get("stream"):
             return self._error(400, "the fake does not stream", "BadRequestError", 400)
         if self.check_tool_pairing and (problem := tool_pairing_error(messages)):
@@ -688,8 +794,18 @@ class FakeOpenAI:
             return await self._drop(request, fault)
         return await self._complete(body, messages, usage=not isinstance(fault, NoUsage))
 
-    def _error(self, status: int, message: str, type_: str, code: str | int | None) -> web.Response:
-        return web.json_response(_error_body(message, type_, code, self.error_style), status=status)
+    def _error(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        code: str | int | None,
+        *,
+        param: str | None = None,
+    ) -> web.Response:
+        """An error answer; ``param`` is vLLM's (only its style sends one)."""
+        body = _error_body(message, type_, code, self.error_style, param)
+        return web.json_response(body, status=status)
 
     def _status_response(self, fault: Status) -> web.Response:
         headers = {}
@@ -723,28 +839,40 @@ class FakeOpenAI:
     async def _complete(
         self, body: dict[str, Any], messages: list[dict[str, Any]], *, usage: bool
     ) -> web.Response:
+        vllm = self.dialect == "vllm"
         model = body.get("model") or self.model
         if self.strict_model and model != self.model:
+            if vllm:
+                problem = f"The model `{model}` does not exist. Valid aliases: {self.model}."
+                return self._error(404, problem, "NotFoundError", 404, param="model")
             return self._error(404, f"The model `{model}` does not exist.", "404", 404)
         prompt_tokens = prompt_tokens_of(messages)
         limit = body.get("max_completion_tokens")
         if limit is None:
             limit = body.get("max_tokens")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
-            return self._error(400, "max_tokens must be an integer", "BadRequestError", 400)
+            return self._error(
+                400, "max_tokens must be an integer", "BadRequestError", 400, param="max_tokens"
+            )
         if limit is not None and limit < 1:
-            return self._error(400, "max_tokens must be at least 1", "BadRequestError", 400)
+            problem = "max_tokens must be at least 1"
+            if vllm:
+                problem += f", got {limit}. (parameter=max_tokens, value={limit})"
+            return self._error(400, problem, "BadRequestError", 400, param="max_tokens")
         if self.max_model_len is not None:
             if prompt_tokens >= self.max_model_len:
-                fault = Status.context_length_exceeded(self.max_model_len, prompt_tokens)
+                fault = Status.context_length_exceeded(
+                    self.max_model_len, prompt_tokens, dialect=self.dialect
+                )
                 return self._status_response(fault)
-            if limit is not None and prompt_tokens + limit > self.max_model_len:
+            if limit is not None and prompt_tokens + limit > self.max_model_len and not vllm:
                 fault = Status.context_length_exceeded(
                     self.max_model_len, prompt_tokens + limit, limit
                 )
                 return self._status_response(fault)
-            if limit is None:
-                limit = self.max_model_len - prompt_tokens
+            # What is left of the context: the default, and vLLM's clamp.
+            left = self.max_model_len - prompt_tokens
+            limit = left if limit is None else min(limit, left)
 
         n = self.completion_tokens_for(messages)
         finish_reason = "stop"
@@ -755,23 +883,74 @@ class FakeOpenAI:
 
         text = last_user_text(messages)
         n_reasoning = min(self.reasoning_tokens, n) if self.reasoning else 0
-        message: dict[str, Any] = {"role": "assistant"}
+        # The answer as the engine keeps it; the dialect's shape follows.
+        answer: dict[str, Any] = {"role": "assistant"}
         tool = self._tool_to_call(body, messages)
         if tool is not None:
             # SGLang drops a call cut by max_tokens: nothing but the finish reason is left.
-            message["content"] = ""
-            message["reasoning_content"] = None
+            answer["content"] = ""
             if finish_reason == "stop":
-                message["tool_calls"] = [_tool_call(tool, text, messages)]
+                answer["tool_calls"] = [_tool_call(tool, text, messages, self.dialect)]
                 finish_reason = "tool_calls"
             n_reasoning = 0
         elif self.reasoning:
-            message["content"] = answer_for(text, n - n_reasoning) if n > n_reasoning else ""
-            message["reasoning_content"] = reasoning_for(text, n_reasoning)
+            answer["content"] = answer_for(text, n - n_reasoning) if n > n_reasoning else ""
+            answer["reasoning_content"] = reasoning_for(text, n_reasoning)
         else:
-            message["content"] = answer_for(text, n)
-            message["reasoning_content"] = None
-        choice = {
+            answer["content"] = answer_for(text, n)
+        ids = None
+        if body.get("return_token_ids") is True and self.token_ids_fn is not None:
+            kept = dict(answer)
+            if "tool_calls" in answer:  # the wire form: no index
+                kept["tool_calls"] = [
+                    {k: v for k, v in call.items() if k != "index"} for call in answer["tool_calls"]
+                ]
+            ids = self.token_ids_fn(body, kept)
+        if vllm:
+            reply = self._vllm_reply(model, answer, finish_reason, ids)
+        else:
+            reply = self._sglang_reply(model, answer, finish_reason, ids, n)
+        if usage:
+            reply["usage"] = self._usage(prompt_tokens, n, n_reasoning)
+        with self._lock:
+            self._completed[conversation_key(messages)] += 1
+            self._stats["completed"] += 1
+            self._stats["completion_tokens"] += n
+            self._stats["prompt_tokens"] += prompt_tokens
+        return web.json_response(reply)
+
+    def _usage(self, prompt_tokens: int, n: int, n_reasoning: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + n,
+            "completion_tokens": n,
+            "prompt_tokens_details": None,
+        }
+        if self.dialect == "vllm":
+            usage["completion_tokens_details"] = {"reasoning_tokens": n_reasoning}
+        else:
+            usage["reasoning_tokens"] = n_reasoning
+            usage["completion_tokens_details"] = (
+                {"reasoning_tokens": n_reasoning} if n_reasoning else None
+            )
+        return usage
+
+    def _sglang_reply(
+        self,
+        model: str,
+        answer: dict[str, Any],
+        finish_reason: str,
+        ids: tuple[list[int], list[int]] | None,
+        n: int,
+    ) -> dict[str, Any]:
+        message = {
+            "role": "assistant",
+            "content": answer["content"],
+            "reasoning_content": answer.get("reasoning_content"),
+        }
+        if "tool_calls" in answer:
+            message["tool_calls"] = answer["tool_calls"]
+        choice: dict[str, Any] = {
             "index": 0,
             "message": message,
             "logprobs": None,
@@ -779,34 +958,65 @@ class FakeOpenAI:
             # SGLang: the end token's id when it stopped on it, a stop string when one matched.
             "matched_stop": EOS_TOKEN_ID if finish_reason == "stop" else None,
         }
-        reply: dict[str, Any] = {
+        if ids is not None:
+            choice["prompt_token_ids"], choice["response_token_ids"] = ids
+        return {
             "id": f"chatcmpl-{next(self._ids)}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model,
             "choices": [choice],
+            "metadata": {
+                "weight_version": "default",
+                "weight_versions": [{"version": "default", "start": 0, "end": n}],
+            },
         }
-        if usage:
-            reply["usage"] = {
-                "prompt_tokens": prompt_tokens,
-                "total_tokens": prompt_tokens + n,
-                "completion_tokens": n,
-                "prompt_tokens_details": None,
-                "reasoning_tokens": n_reasoning,
-                "completion_tokens_details": (
-                    {"reasoning_tokens": n_reasoning} if n_reasoning else None
-                ),
-            }
-        reply["metadata"] = {
-            "weight_version": "default",
-            "weight_versions": [{"version": "default", "start": 0, "end": n}],
+
+    def _vllm_reply(
+        self,
+        model: str,
+        answer: dict[str, Any],
+        finish_reason: str,
+        ids: tuple[list[int], list[int]] | None,
+    ) -> dict[str, Any]:
+        content = answer["content"]
+        reasoning = answer.get("reasoning_content")
+        message: dict[str, Any] = {
+            "role": "assistant",
+            # vLLM: null when the parser left nothing after the reasoning.
+            "content": None if reasoning and not content else content,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
         }
-        with self._lock:
-            self._completed[conversation_key(messages)] += 1
-            self._stats["completed"] += 1
-            self._stats["completion_tokens"] += n
-            self._stats["prompt_tokens"] += prompt_tokens
-        return web.json_response(reply)
+        if "tool_calls" in answer:
+            message["tool_calls"] = answer["tool_calls"]
+        message["reasoning"] = reasoning
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,  # a matched stop string or stop token id; the fake has none
+            "token_ids": ids[1] if ids is not None else None,
+            "routed_experts": None,
+        }
+        return {
+            "id": f"chatcmpl-{next(self._ids):016x}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": "vllm-fake",
+            "prompt_logprobs": None,
+            "prompt_token_ids": ids[0] if ids is not None else None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
 
     def _tool_to_call(
         self, body: dict[str, Any], messages: list[dict[str, Any]]
@@ -960,7 +1170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--strict-model", action="store_true")
     p.add_argument("--call-tools", action="store_true", help="answer offered tools with a call")
-    p.add_argument("--error-style", choices=ERROR_STYLES, default="sglang")
+    p.add_argument("--dialect", choices=DIALECTS, default="sglang", help="whose shapes")
+    p.add_argument("--error-style", choices=ERROR_STYLES, default=None, help="the dialect's")
     p.add_argument("--fault-rate", type=float, default=0.0, help="fraction of conversations")
     p.add_argument("--fault", choices=sorted(_CLI_FAULTS), default="503")
     p.add_argument("--fault-attempts", type=int, default=1, help="faulted attempts each")
@@ -1000,6 +1211,7 @@ async def _serve(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         strict_model=args.strict_model,
         call_tools=args.call_tools,
+        dialect=args.dialect,
         error_style=args.error_style,
     )
     stop = asyncio.Event()

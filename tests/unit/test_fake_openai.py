@@ -32,6 +32,7 @@ from support.fake_openai import (
 )
 from support.real_servers import json_shape, load_recorded
 from support.sglang_server import RECORDED_DIR as SGLANG_RECORDED
+from support.vllm_server import RECORDED_DIR as VLLM_RECORDED
 from support.workflow import REPO
 
 FAKE = REPO / "tests" / "support" / "fake_openai.py"
@@ -400,6 +401,24 @@ def test_subprocess_mode_serves_many_connections_and_stops_on_sigterm() -> None:
                 proc.wait(timeout=10)
 
 
+def test_subprocess_mode_speaks_the_dialect_it_is_given() -> None:
+    cmd = [sys.executable, str(FAKE), "--port", "0", "--dialect", "vllm", "--reasoning"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            url = _read_line(proc, timeout=15).split()[1]
+            assert "permission" in get_json(url + "/models")["data"][0]
+            message = json.loads(post(url, chat("hi", max_tokens=2))[2])["choices"][0]["message"]
+            assert message["reasoning"] and "reasoning_content" not in message
+            status, _, raw = post(url, {"messages": "hi"})
+            assert status == 400 and json.loads(raw)["error"]["param"] == "body.messages"
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
 def _raise_own_fd_limit(wanted: int) -> None:
     import resource
 
@@ -410,7 +429,7 @@ def _raise_own_fd_limit(wanted: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
-# --------------------------------------------------------------------------- SGLang's shapes
+# --------------------------------------------------------------------------- the real shapes
 
 WEATHER = {
     "type": "function",
@@ -423,28 +442,55 @@ WEATHER = {
         },
     },
 }
-# Recordings the fake has no counterpart of: stop strings (the fake has none), and the
-# token ids of return_token_ids (another feature).
-NOT_FAKED = {"chat_stop_string", "chat_token_ids", "chat_history"}
+RECORDED = {"sglang": SGLANG_RECORDED, "vllm": VLLM_RECORDED}
+# Recordings the fake has no counterpart of: stop strings (the fake has none), and a
+# history with reasoning (the fake's answers do not depend on it).
+NOT_FAKED = {
+    "sglang": {"chat_stop_string", "chat_history"},
+    "vllm": {"chat_stop_string", "chat_token_ids_stop_string", "chat_history"},
+}
 
 
-def fake_counterparts() -> dict[str, tuple[int, Any]]:
+def trivial_ids(body: dict[str, Any], message: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """A token_ids_fn: a prompt id per message, a completion id per word."""
+    words = (message.get("reasoning_content") or "").split() + message["content"].split()
+    return list(range(len(body["messages"]))), [7] * len(words)
+
+
+def fake_counterparts(dialect: str) -> dict[str, tuple[int, Any]]:
     """name -> (status, body) of the fake's answer to each recorded situation."""
     long_prompt = " ".join(["capital"] * 40)
+    ids = {"return_token_ids": True}
     answers: dict[str, tuple[int, Any]] = {}
-    with FakeOpenAIServer(reasoning=True, reasoning_tokens=8, tokens_fn=lambda m: 20) as server:
+    options: dict[str, Any] = {"dialect": dialect, "token_ids_fn": trivial_ids}
+    thinking = {"reasoning": True, "reasoning_tokens": 8, "tokens_fn": lambda m: 20}
+    with FakeOpenAIServer(**thinking, **options) as server:
         answers["chat_thinking"] = reply_of(post(server.url, chat("Why?", max_tokens=8)))
-    with FakeOpenAIServer(tokens_fn=lambda m: 20, call_tools=True, max_model_len=32) as server:
+        answers["chat_token_ids"] = reply_of(post(server.url, chat("Why?", max_tokens=8, **ids)))
+    plain = {"tokens_fn": lambda m: 20, "call_tools": True, "max_model_len": 32}
+    with FakeOpenAIServer(**plain, **options) as server:
         answers["models"] = (200, get_json(server.url + "/models"))
         answers["chat_no_thinking"] = reply_of(post(server.url, chat("Why?", max_tokens=8)))
         answers["chat_stop_eos"] = reply_of(post(server.url, chat("Why?", max_tokens=30)))
         called = chat("Weather?", max_tokens=30, tools=[WEATHER], tool_choice="required")
         answers["chat_tool_call"] = reply_of(post(server.url, called))
         answers["error_context_too_long"] = reply_of(post(server.url, chat(long_prompt)))
-        too_many = chat("Why?", max_tokens=31)  # 2 prompt tokens + 31 > 32
-        answers["error_context_with_max_tokens"] = reply_of(post(server.url, too_many))
         malformed = {"model": "fake-model", "messages": "hi", "max_tokens": 4}
         answers["error_malformed"] = reply_of(post(server.url, malformed))
+        if dialect == "vllm":
+            eos = chat("Why?", max_tokens=30, **ids)
+            answers["chat_token_ids_eos"] = reply_of(post(server.url, eos))
+            length = chat("Why?", max_tokens=8, **ids)
+            answers["chat_token_ids_length"] = reply_of(post(server.url, length))
+        else:
+            too_many = chat("Why?", max_tokens=31)  # 2 prompt tokens + 31 > 32
+            answers["error_context_with_max_tokens"] = reply_of(post(server.url, too_many))
+    if dialect == "vllm":  # thinking, as recorded: all of what is left is reasoning
+        more = {**thinking, "reasoning_tokens": 64, "max_model_len": 32}
+        with FakeOpenAIServer(**more, **options) as server:
+            # 16 prompt tokens + 20 > 32: max_tokens clamped to 16, cut there.
+            clamped = chat(" ".join(["capital"] * 15), max_tokens=20)
+            answers["error_context_with_max_tokens"] = reply_of(post(server.url, clamped))
     return answers
 
 
@@ -452,18 +498,127 @@ def reply_of(answer: tuple[int, dict[str, str], bytes]) -> tuple[int, Any]:
     return answer[0], json.loads(answer[2])
 
 
-def test_the_fake_answers_in_the_shapes_sglang_sent() -> None:
-    """Keys, types and nesting of every answer equal what real SGLang sent in the same
-    situation (tests/data/sglang/, recorded by tests/sglang/test_generate_server.py)."""
-    recorded = load_recorded(SGLANG_RECORDED)
-    fake = fake_counterparts()
-    assert recorded.keys() == fake.keys() | NOT_FAKED
+@pytest.mark.parametrize("dialect", ["sglang", "vllm"])
+def test_the_fake_answers_in_the_shapes_the_real_server_sent(dialect: str) -> None:
+    """Keys, types and nesting of every answer equal what the real server sent in the same
+    situation (tests/data/sglang/ and tests/data/vllm/, recorded by tests/sglang/ and
+    tests/vllm/ test_generate_server.py), and so do the status and finish reason."""
+    recorded = load_recorded(RECORDED[dialect])
+    fake = fake_counterparts(dialect)
+    assert recorded.keys() == fake.keys() | NOT_FAKED[dialect]
     for name, (status, body) in fake.items():
         assert status == recorded[name]["status"], name
         assert json_shape(body) == json_shape(recorded[name]["response"]), name
-        if name.startswith("chat_"):
+        if "choices" in recorded[name]["response"]:
             real = recorded[name]["response"]["choices"][0]
             assert body["choices"][0]["finish_reason"] == real["finish_reason"], name
+
+
+@pytest.mark.parametrize("dialect", ["sglang", "vllm"])
+def test_token_ids_come_from_the_hook_in_the_dialects_places(dialect: str) -> None:
+    seen: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    def hook(body: dict[str, Any], message: dict[str, Any]) -> tuple[list[int], list[int]]:
+        seen.append((body, message))
+        return [1, 2, 3], [4, 5]
+
+    def ids_of(reply: dict[str, Any]) -> tuple[Any, Any]:
+        choice = reply["choices"][0]
+        if dialect == "vllm":
+            return reply["prompt_token_ids"], choice["token_ids"]
+        return choice.get("prompt_token_ids"), choice.get("response_token_ids")
+
+    ask = chat("Why?", max_tokens=3, return_token_ids=True)
+    with FakeOpenAIServer(dialect=dialect, reasoning=True, reasoning_tokens=2) as server:
+        assert ids_of(json.loads(post(server.url, ask)[2])) == (None, None)  # no hook
+    with FakeOpenAIServer(
+        dialect=dialect, reasoning=True, reasoning_tokens=2, token_ids_fn=hook
+    ) as server:
+        reply = json.loads(post(server.url, ask)[2])
+        assert ids_of(reply) == ([1, 2, 3], [4, 5])
+        if dialect == "vllm":
+            assert "prompt_token_ids" not in reply["choices"][0]
+        else:
+            assert "prompt_token_ids" not in reply and "token_ids" not in reply["choices"][0]
+        [(body, message)] = seen
+        assert body == ask  # the request, and the answer as the engine keeps it
+        assert message == {
+            "role": "assistant",
+            "content": "Answer",
+            "reasoning_content": "Thinking about:",
+        }
+        unasked = json.loads(post(server.url, chat("Why?", max_tokens=3))[2])
+        assert ids_of(unasked) == (None, None) and len(seen) == 1  # the flag, not the hook
+        if dialect == "sglang":  # no keys at all; vLLM's are there, null
+            assert not {"prompt_token_ids", "response_token_ids"} & unasked["choices"][0].keys()
+        server.token_ids_fn = lambda body, message: None
+        assert ids_of(json.loads(post(server.url, ask)[2])) == (None, None)
+
+
+def test_the_hook_gets_tool_calls_in_the_wire_form() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def hook(body: dict[str, Any], message: dict[str, Any]) -> None:
+        seen.append(message)
+
+    for dialect in ("sglang", "vllm"):
+        with FakeOpenAIServer(dialect=dialect, call_tools=True, token_ids_fn=hook) as server:
+            post(server.url, chat("Paris", tools=[WEATHER], return_token_ids=True))
+    for message in seen:
+        [call] = message["tool_calls"]
+        assert call.keys() == {"id", "type", "function"} and message["content"] == ""
+    assert seen[0]["tool_calls"][0]["id"].startswith("call_")
+    assert seen[1]["tool_calls"][0]["id"].startswith("chatcmpl-tool-")
+
+
+def test_vllm_dialect_messages_errors_and_clamping() -> None:
+    options: dict[str, Any] = {"dialect": "vllm", "max_model_len": 20, "tokens_fn": lambda m: 50}
+    with FakeOpenAIServer(reasoning=True, reasoning_tokens=4, strict_model=True, **options) as s:
+        reply = json.loads(post(s.url, chat("one two three", max_tokens=3))[2])
+        message = reply["choices"][0]["message"]
+        assert "reasoning_content" not in message
+        assert (message["content"], message["reasoning"]) == (None, "Thinking about: one")
+        assert reply["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+        assert "reasoning_tokens" not in reply["usage"]
+        clamped = json.loads(post(s.url, chat("one two three", max_tokens=30))[2])
+        assert clamped["usage"]["completion_tokens"] == 20 - 4  # what is left: no 400
+        assert clamped["choices"][0]["finish_reason"] == "length"
+        assert clamped["choices"][0]["stop_reason"] is None
+
+        status, _, raw = post(s.url, chat(" ".join(["w"] * 30)))
+        assert (status, json.loads(raw)) == (
+            400,
+            {
+                "error": {
+                    "message": "This model's maximum context length is 20 tokens. However, "
+                    "your prompt contains at least 21 input tokens, which exceeds this limit "
+                    "even without any output tokens. Please reduce the length of the input "
+                    "prompt. (parameter=input_tokens, value=21)",
+                    "type": "BadRequestError",
+                    "param": "input_tokens",
+                    "code": 400,
+                }
+            },
+        )
+        status, _, raw = post(s.url, chat("hi", max_tokens=0))
+        assert status == 400 and json.loads(raw)["error"]["param"] == "max_tokens"
+        status, _, raw = post(s.url, {**chat("hi"), "model": "other"})
+        assert (status, json.loads(raw)["error"]) == (
+            404,
+            {
+                "message": "The model `other` does not exist. Valid aliases: fake-model.",
+                "type": "NotFoundError",
+                "param": "model",
+                "code": 404,
+            },
+        )
+    with pytest.raises(ValueError, match="clamps"):
+        Status.context_length_exceeded(10, 12, 5, dialect="vllm")
+    plan = FaultPlan({"a": [Status.server_error()], "b": [Status.overloaded()]})
+    with FakeOpenAIServer(dialect="vllm", faults=plan) as server:
+        errors = {t: json.loads(post(server.url, chat(t))[2])["error"] for t in "ab"}
+    assert (errors["a"]["type"], errors["a"]["param"]) == ("InternalServerError", None)
+    assert errors["b"]["type"] == "Service Unavailable"
 
 
 def test_tool_calls_as_sglang_returns_them() -> None:

@@ -4,10 +4,11 @@ Kimi-shaped model, and Qwen3.
 A tiny random DeepSeek-V3 decoder with Kimi's slow remote-code tiktoken tokenizer, its
 special tokens at their real ids and the real K2.5 chat template (support.target_models),
 as a plain checkpoint and as the multimodal wrapper with a nested ``text_config``; thinking
-on and off; the in-process engine and an OpenAI-compatible server that answers with
-``reasoning_content``. Every run goes through the README's command to validated shards,
-and is checked against oracles that do not use our chat module: the Kimi tokenizer's own
-``encode`` of the text the target saw and produced, and a direct forward of the decoder.
+on and off; the in-process engine and an OpenAI-compatible server that answers with the
+reasoning apart and the token ids it generated. Every run goes through the README's
+command to validated shards, and is checked against oracles that do not use our chat
+module: the Kimi tokenizer's own ``encode`` of the text the target saw and produced, the
+engine's ids, and a direct forward of the decoder.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import polars as pl
 import pytest
 import torch
+from support.engine_ids import engine_token_ids
 from support.target_models import (
     KIMI_END_OF_TURN,
     KIMI_THINK_CLOSE,
@@ -117,6 +119,24 @@ def expected_samples(tokenizer: Any, response: dict[str, Any], thinking: bool) -
         parts = [(render(messages[:i], True), False), (produced + KIMI_END_OF_TURN, True)]
         samples.append({"id": sample_id, "parts": parts})
     return samples
+
+
+def server_token_ids(tokenizer: Any) -> Any:
+    """The fake server's ``token_ids_fn``: ids as a sampled target and a reasoning parser
+    make them (support.engine_ids)."""
+
+    def token_ids(body: dict[str, Any], message: dict[str, Any]) -> tuple[list[int], list[int]]:
+        return engine_token_ids(
+            tokenizer,
+            body["messages"],
+            message,
+            chat_template_kwargs=body.get("chat_template_kwargs"),
+            tools=body.get("tools"),
+            split=True,
+            reasoning_space=" ",
+        )
+
+    return token_ids
 
 
 def check_tokenized(wf: Workflow, tokenizer: Any, thinking: bool) -> pl.DataFrame:
@@ -236,9 +256,18 @@ def test_kimi_shaped_target_end_to_end(
 
     model_dir = kimi_dirs[variant]
     if backend == "openai":
-        # SGLang with --reasoning-parser kimi_k2: reasoning arrives as reasoning_content,
-        # and with thinking off there is none.
-        with FakeOpenAIServer(model="kimi", mean_tokens=6, reasoning=thinking) as server:
+        # A server with a reasoning parser (SGLang's kimi_k2: reasoning_content; vLLM's:
+        # reasoning; with thinking off there is none) that returns token ids as a sampled
+        # target would make them: non-canonical, its reasoning begun with a space the
+        # parser strips.
+        server = FakeOpenAIServer(
+            model="kimi",
+            mean_tokens=6,
+            reasoning=thinking,
+            dialect="sglang" if variant == "plain" else "vllm",
+            token_ids_fn=server_token_ids(kimi_tokenizer),
+        )
+        with server:
             wf = kimi_workflow(tmp_path, model_dir, "wf", thinking=thinking, server_url=server.url)
             wf.run()
     else:
@@ -255,8 +284,14 @@ def test_kimi_shaped_target_end_to_end(
                 assert KIMI_THINK_CLOSE not in m["content"]
     tokenized = check_tokenized(wf, kimi_tokenizer, thinking)
     stats = json.loads(wf.path("results/tokenized/A1.stats.json").read_text())
-    assert stats["conversations_split_per_turn"] == (1 if thinking else 0)
+    # The server's history is canonical where its completions were not: one sample per turn.
+    split = thinking or backend == "openai"
+    assert stats["conversations_split_per_turn"] == (1 if split else 0)
     check_states(wf, model_dir, tokenized)
+    ids = stats["token_ids"]
+    turns = sum(len(r["turns"]) for r in responses)
+    assert ids["turns_from_engine_ids"] == turns > PROMPTS  # q0000 is multi-turn
+    assert all(d["part"] == "completion" for d in ids["differences"])
     manifest = json.loads(wf.path("results/hidden_states/A1/manifest.json").read_text())
     if backend == "transformers":
         check = manifest["agreement"]
@@ -264,13 +299,14 @@ def test_kimi_shaped_target_end_to_end(
         assert check["agreement"] >= 0.95 > 0.1 >= check["control_agreement"]
         # Thinking on: every turn's reasoning starts with a space the parser stripped, so
         # no turn re-renders as the engine made it; thinking off re-renders identically.
-        ids = stats["token_ids"]
-        turns = sum(len(r["turns"]) for r in responses)
-        assert ids["turns_from_engine_ids"] == turns > PROMPTS  # q0000 is multi-turn
-        assert ids["differ_from_rerender"] == (ids["turns_from_engine_ids"] if thinking else 0)
-        assert all(d["part"] == "completion" for d in ids["differences"])
+        assert ids["differ_from_rerender"] == (turns if thinking else 0)
     else:
         assert manifest["agreement"] is None  # off: a scripted server is not the target
+        assert ids["differ_from_rerender"] == turns  # no completion is canonical
+        # The fake's usage counts words, not its ids: counted and logged, not fatal.
+        assert wf.stats("A1")["turns_usage_disagrees_with_ids"] == turns
+        log = wf.path("logs/generate/A1.log").read_text()
+        assert "disagree with usage.completion_tokens" in log
 
 
 def test_kimi_without_trust_remote_code_stops_with_one_clear_line(

@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,22 +28,22 @@ import pytest
 from support.real_servers import (
     QUESTION,
     SERVED_MODEL,
-    WEATHER_TOOL,
     assert_shapes_as_recorded,
-    forced_tool_call_body,
-    job_log,
+    budget_workflow,
+    check_budget_run,
+    check_tool_rows,
+    kill_mid_run,
     record_bodies,
     recording_cases,
+    resume_killed_run,
+    resume_workflows,
     server_log_on_failure,
-    server_workflow,
-    tool_prompts,
+    tool_workflow,
 )
 from support.sglang_server import RECORD_ENV, RECORDED_DIR, SGLangServer
 from support.target_models import make_qwen3_dir
-from support.workflow import kill_group, sharegpt_prompts, write_prompts
 
 from eagle3data.chat import render
-from eagle3data.prompts.sources import read_prompts, seeded_order
 
 pytestmark = pytest.mark.e2e
 
@@ -191,53 +189,13 @@ def test_reasoning_usage_budget_and_cancelled_requests(
     2.5 answers: the first two fit and the third decides the prefix while the others
     decode or wait on the server; those must be aborted there, not run to their end."""
     max_tokens = 256
-    questions = [
-        {"id": f"c{i}", "conversations": [{"from": "human", "value": f"Story {i}, please."}]}
-        for i in range(8)
-    ]
-    prompts = write_prompts(tmp_path / "A1.jsonl", questions)
-    order = [c.id for c in seeded_order(read_prompts(prompts, "sharegpt").conversations, 0)]
-    budget = int(2.5 * max_tokens)
-    wf = server_workflow(
-        tmp_path,
-        qwen3_dir,
-        server,
-        {"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": budget}},
-        chat_template_kwargs={"enable_thinking": True},
-        concurrency=8,
-        sampling={"temperature": 0.0, "max_tokens": max_tokens},
-        extra_body={"ignore_eos": True},  # every answer exactly max_tokens: the plan is fixed
-    )
+    wf, order = budget_workflow(tmp_path, qwen3_dir, server, max_tokens)
     offset, before = server.log_offset(), server.metrics()
     wf.run("results/responses/A1.jsonl")
     log, aborted = wait_for_aborts(server, offset, before.get(ABORTED, 0.0))
 
     with log_on_failure(server, offset):
-        rows, stats = wf.responses("A1"), wf.stats("A1")
-        assert [row["id"] for row in rows] == order[:2]
-        assert (stats["stop_reason"], stats["completion_tokens"]) == ("token_budget", 512)
-        for row in rows:
-            user, answer = row["messages"]
-            assert user["role"] == "user" and answer["role"] == "assistant"
-            # The parser's split: reasoning apart, no think tag in either field.
-            assert answer["reasoning_content"] and "<think>" not in answer["reasoning_content"]
-            assert "</think>" not in answer["content"] + answer["reasoning_content"]
-            [turn] = row["turns"]
-            assert turn == {
-                "finish_reason": "length",
-                "prompt_tokens": turn["prompt_tokens"],
-                "completion_tokens": max_tokens,  # the server's usage, reasoning included
-            }
-            assert row["usage"]["completion_tokens"] == max_tokens
-        # What was journaled beyond the two rows is waste; the rest was cancelled. (The
-        # server runs the requests in arrival order, which is nearly dispatch order: the
-        # third answer is normally in its first three.)
-        journaled = len(wf.journal_lines("A1"))
-        assert 3 <= journaled < 8
-        assert stats["generated_tokens_total"] == journaled * max_tokens
-        assert stats["waste_tokens"] == (journaled - 2) * max_tokens
-        [cancelled] = re.findall(r"A1: cancelled (\d+) requests in flight", job_log(wf, "A1"))
-        assert int(cancelled) == 8 - journaled
+        _, journaled, cancelled = check_budget_run(wf, order, max_tokens)
 
         # Server side: what we journaled ran to its end; every request we dropped (all 8
         # arrived at once) was aborted, running or waiting, and none finished. (SGLang
@@ -245,7 +203,7 @@ def test_reasoning_usage_budget_and_cancelled_requests(
         # have a Finish line and no abort.)
         assert sorted(log.finished.values()) == [("length", max_tokens)] * journaled
         assert len(log.received) == 8
-        assert len(log.unfinished) == aborted == int(cancelled)
+        assert len(log.unfinished) == aborted == cancelled
     print(f"\ncancelled {cancelled} requests in flight; the server aborted {aborted}")
 
 
@@ -255,46 +213,11 @@ def test_tool_calls_are_parsed_into_the_rows(
     """Thinking off, the call forced by xgrammar: each regenerated turn is a parsed call.
     The source's tool result answers the regenerated call (its id relinked); where the
     counts differ the results stay as given, and SGLang (Qwen3) accepts that history."""
-    prompts = tmp_path / "T1.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in tool_prompts()), encoding="utf-8")
-    wf = server_workflow(
-        tmp_path,
-        qwen3_dir,
-        server,
-        {"T1": {"path": str(prompts), "format": "messages"}},
-        chat_template_kwargs={"enable_thinking": False},
-        concurrency=3,
-        sampling={"temperature": 0.0, "max_tokens": 128},
-        extra_body=forced_tool_call_body(tokenizer),
-    )
+    wf = tool_workflow(tmp_path, qwen3_dir, server, tokenizer)
     offset = server.log_offset()
     wf.run("results/responses/T1.jsonl")
     with log_on_failure(server, offset):
-        rows = {row["id"]: row for row in wf.responses("T1")}
-        assert rows.keys() == {"t0", "t1", "t2"}
-        assert wf.path("results/responses/T1.errors.jsonl").read_text() == ""
-        for row in rows.values():
-            assert row["tools"] == [WEATHER_TOOL]
-            answers = [m for m in row["messages"] if m["role"] == "assistant"]
-            assert len(answers) == len(row["turns"]) == {"t0": 1, "t1": 2, "t2": 2}[row["id"]]
-            for answer, turn in zip(answers, row["turns"], strict=True):
-                [call] = answer["tool_calls"]  # parallel_tool_calls: false
-                assert answer["content"] == "" and call["type"] == "function"
-                assert call["id"].startswith("call_") and call["function"]["name"] == "get_weather"
-                assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Berlin")
-                assert turn["finish_reason"] == "tool_calls" and turn["completion_tokens"] > 0
-                assert "usage_source" not in turn
-        _, first, tool, second = rows["t1"]["messages"]
-        assert tool == {
-            "role": "tool",
-            "tool_call_id": first["tool_calls"][0]["id"],  # relinked to the regenerated call
-            "name": "get_weather",
-            "content": "sunny",
-        }
-        assert second["tool_calls"][0]["id"] != first["tool_calls"][0]["id"]  # random ids
-        # One regenerated call, two source results: as given, and not refused.
-        results = [m for m in rows["t2"]["messages"] if m["role"] == "tool"]
-        assert [m["tool_call_id"] for m in results] == ["src_a", "src_b"]
+        check_tool_rows(wf, "call_")
 
 
 def test_a_killed_run_resumes_to_the_uninterrupted_output(
@@ -304,31 +227,12 @@ def test_a_killed_run_resumes_to_the_uninterrupted_output(
     dead job had in flight, and unlock + the same command finishes with the file an
     uninterrupted run against the same server wrote (greedy SGLang on this CPU does not
     depend on the batch: see the support module)."""
-    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(10))
-    datasets = {"A1": {"path": str(prompts), "format": "sharegpt"}}
-    options: dict[str, Any] = {
-        "chat_template_kwargs": {"enable_thinking": False},
-        "concurrency": 2,
-        # Over 1 s a request here, so the server sees the dead client while requests run.
-        "sampling": {"temperature": 0.0, "max_tokens": 192},
-        "extra_body": {"ignore_eos": True},
-    }
-    reference = server_workflow(tmp_path, qwen3_dir, server, datasets, "reference", **options)
-    reference.run("results/responses/A1.jsonl")
-
-    wf = server_workflow(tmp_path, qwen3_dir, server, datasets, "killed", **options)
-    target = "results/responses/A1.jsonl"
+    # 192 tokens: over 1 s a request here, so the server sees the dead client while
+    # requests run.
+    reference, wf = resume_workflows(tmp_path, qwen3_dir, server, 192)
     offset, before = server.log_offset(), server.metrics()
-    proc = wf.start(target)
-    deadline = time.monotonic() + 300
-    # Kill once 3 conversations are journaled and a request is running on the server.
-    while len(wf.journal_lines("A1")) < 3 or not server.requests_since(offset).unfinished:
-        assert proc.poll() is None, "generation finished before it could be killed"
-        assert time.monotonic() < deadline, "no progress in 300 s"
-        time.sleep(0.05)
-    assert kill_group(proc, signal.SIGKILL) != 0
-    partial = wf.journal_lines("A1")
-    assert len(partial) < 10 and not wf.path(target).exists(), "no partial declared output"
+    # Killed once a request is running on the server.
+    partial = kill_mid_run(wf, lambda: bool(server.requests_since(offset).unfinished))
     log, aborted = wait_for_aborts(server, offset, before.get(ABORTED, 0.0))
     with log_on_failure(server, offset):
         # Every request the dead job left unfinished was aborted, none left running. A
@@ -337,8 +241,4 @@ def test_a_killed_run_resumes_to_the_uninterrupted_output(
         # idle machine two 48-token requests finished before it looked (CI rehearsal).
         assert aborted >= len(log.unfinished), "what the dead job had in flight: aborted"
     print(f"\nkilled after {len(partial)} of 10 records; the server aborted {aborted} requests")
-
-    wf.run("--unlock")
-    wf.run(target)
-    wf.assert_resumed("A1", partial, reference)
-    assert wf.stats("A1")["in_output"] == 10
+    resume_killed_run(wf, partial, reference)

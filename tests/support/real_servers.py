@@ -15,12 +15,22 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import signal
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from support.workflow import Workflow, new_workflow
+from eagle3data.prompts.sources import read_prompts, seeded_order
+from support.workflow import (
+    Workflow,
+    kill_group,
+    new_workflow,
+    sharegpt_prompts,
+    write_prompts,
+)
 
 SERVED_MODEL = "tiny-qwen3"
 QUESTION = "What is the capital of France?"
@@ -329,3 +339,169 @@ def tool_prompts() -> list[dict[str, Any]]:
             "tools": [WEATHER_TOOL],
         },
     ]
+
+
+def tool_workflow(tmp_path: Path, model_dir: Path, server: ChatServer, tokenizer: Any) -> Workflow:
+    """Dataset T1 = :func:`tool_prompts`, thinking off, the call forced
+    (:func:`forced_tool_call_body`), 3 in flight."""
+    prompts = tmp_path / "T1.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in tool_prompts()), encoding="utf-8")
+    return server_workflow(
+        tmp_path,
+        model_dir,
+        server,
+        {"T1": {"path": str(prompts), "format": "messages"}},
+        chat_template_kwargs={"enable_thinking": False},
+        concurrency=3,
+        sampling={"temperature": 0.0, "max_tokens": 128},
+        extra_body=forced_tool_call_body(tokenizer),
+    )
+
+
+def check_tool_rows(wf: Workflow, call_id_prefix: str) -> dict[str, dict[str, Any]]:
+    """The rows of a :func:`tool_workflow` run, by id, checked: each regenerated turn is
+    one parsed call of :data:`WEATHER_TOOL` (an id of the server's form), the source's tool
+    result of t1 relinked to the regenerated call, t2's two results (one regenerated call)
+    left as given and not refused."""
+    rows = {row["id"]: row for row in wf.responses("T1")}
+    assert rows.keys() == {"t0", "t1", "t2"}
+    assert wf.path("results/responses/T1.errors.jsonl").read_text() == ""
+    for row in rows.values():
+        assert row["tools"] == [WEATHER_TOOL]
+        answers = [m for m in row["messages"] if m["role"] == "assistant"]
+        assert len(answers) == len(row["turns"]) == {"t0": 1, "t1": 2, "t2": 2}[row["id"]]
+        for answer, turn in zip(answers, row["turns"], strict=True):
+            [call] = answer["tool_calls"]  # parallel_tool_calls: false
+            assert answer["content"] == "" and call["type"] == "function"
+            assert call["id"].startswith(call_id_prefix), call["id"]
+            assert call["function"]["name"] == "get_weather"
+            assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Berlin")
+            assert turn["finish_reason"] == "tool_calls" and turn["completion_tokens"] > 0
+            assert "usage_source" not in turn
+    _, first, tool, second = rows["t1"]["messages"]
+    assert tool == {
+        "role": "tool",
+        "tool_call_id": first["tool_calls"][0]["id"],  # relinked to the regenerated call
+        "name": "get_weather",
+        "content": "sunny",
+    }
+    assert second["tool_calls"][0]["id"] != first["tool_calls"][0]["id"]  # random ids
+    # One regenerated call, two source results: as given, and not refused.
+    results = [m for m in rows["t2"]["messages"] if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in results] == ["src_a", "src_b"]
+    return rows
+
+
+# --------------------------------------------------------------------------- the scenarios
+# What both servers' suites run, each with its own checks of the server's side.
+
+BUDGET_PROMPTS = 8  # sent at once; the budget is 2.5 answers
+
+
+def budget_workflow(
+    tmp_path: Path,
+    model_dir: Path,
+    server: ChatServer,
+    max_tokens: int,
+    extra_body: Mapping[str, Any] | None = None,
+) -> tuple[Workflow, list[str]]:
+    """Dataset A1 of :data:`BUDGET_PROMPTS` one-turn prompts, all in flight at once,
+    thinking on, every answer exactly ``max_tokens`` (``ignore_eos``) and a budget of 2.5
+    answers; returns the workflow and the prompts' ids in the seeded order."""
+    questions = [
+        {"id": f"c{i}", "conversations": [{"from": "human", "value": f"Story {i}, please."}]}
+        for i in range(BUDGET_PROMPTS)
+    ]
+    prompts = write_prompts(tmp_path / "A1.jsonl", questions)
+    order = [c.id for c in seeded_order(read_prompts(prompts, "sharegpt").conversations, 0)]
+    budget = int(2.5 * max_tokens)
+    wf = server_workflow(
+        tmp_path,
+        model_dir,
+        server,
+        {"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": budget}},
+        chat_template_kwargs={"enable_thinking": True},
+        concurrency=BUDGET_PROMPTS,
+        sampling={"temperature": 0.0, "max_tokens": max_tokens},
+        extra_body={"ignore_eos": True, **(extra_body or {})},  # the lengths: the plan fixed
+    )
+    return wf, order
+
+
+def check_budget_run(
+    wf: Workflow, order: list[str], max_tokens: int
+) -> tuple[list[dict[str, Any]], int, int]:
+    """A :func:`budget_workflow` run: the first two answers fit and the third decided the
+    prefix; each is the server's reasoning, apart, counted by the server's usage; what was
+    journaled beyond them is waste and the rest was cancelled in flight. Returns (the
+    rows, how many were journaled, how many cancelled)."""
+    rows, stats = wf.responses("A1"), wf.stats("A1")
+    assert [row["id"] for row in rows] == order[:2]
+    assert (stats["stop_reason"], stats["completion_tokens"]) == ("token_budget", 2 * max_tokens)
+    for row in rows:
+        user, answer = row["messages"]
+        assert user["role"] == "user" and answer["role"] == "assistant"
+        # The parser's split: reasoning apart, no think tag in either field.
+        assert answer["reasoning_content"] and "<think>" not in answer["reasoning_content"]
+        assert "</think>" not in answer["content"] + answer["reasoning_content"]
+        [turn] = row["turns"]
+        assert (turn["finish_reason"], turn["completion_tokens"]) == ("length", max_tokens)
+        assert "usage_source" not in turn  # the server's usage, reasoning included
+        assert row["usage"]["completion_tokens"] == max_tokens
+    # (The servers run the requests in arrival order, which is nearly dispatch order: the
+    # third answer is normally among the first they run.)
+    journaled = len(wf.journal_lines("A1"))
+    assert 3 <= journaled < BUDGET_PROMPTS
+    assert stats["generated_tokens_total"] == journaled * max_tokens
+    assert stats["waste_tokens"] == (journaled - 2) * max_tokens
+    [cancelled] = re.findall(r"A1: cancelled (\d+) requests in flight", job_log(wf, "A1"))
+    assert int(cancelled) == BUDGET_PROMPTS - journaled
+    return rows, journaled, int(cancelled)
+
+
+RESUME_PROMPTS = 10
+RESUME_TARGET = "results/responses/A1.jsonl"
+
+
+def resume_workflows(
+    tmp_path: Path, model_dir: Path, server: ChatServer, max_tokens: int
+) -> tuple[Workflow, Workflow]:
+    """Dataset A1 of :data:`RESUME_PROMPTS` ShareGPT prompts (multi-turn ones among them),
+    thinking off, 2 in flight, ``max_tokens`` each: a reference workflow, already run to
+    its end, and a fresh one to kill."""
+    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(RESUME_PROMPTS))
+    datasets = {"A1": {"path": str(prompts), "format": "sharegpt"}}
+    options: dict[str, Any] = {
+        "chat_template_kwargs": {"enable_thinking": False},
+        "concurrency": 2,
+        "sampling": {"temperature": 0.0, "max_tokens": max_tokens},
+        "extra_body": {"ignore_eos": True},
+    }
+    reference = server_workflow(tmp_path, model_dir, server, datasets, "reference", **options)
+    reference.run(RESUME_TARGET)
+    return reference, server_workflow(tmp_path, model_dir, server, datasets, "killed", **options)
+
+
+def kill_mid_run(wf: Workflow, in_flight: Callable[[], bool]) -> list[str]:
+    """Start the A1 run, SIGKILL its whole process group once 3 conversations are
+    journaled and ``in_flight()`` (a request is on the server); returns the journal then.
+    Nothing partial was declared."""
+    proc = wf.start(RESUME_TARGET)
+    deadline = time.monotonic() + 300
+    while len(wf.journal_lines("A1")) < 3 or not in_flight():
+        assert proc.poll() is None, "generation finished before it could be killed"
+        assert time.monotonic() < deadline, "no progress in 300 s"
+        time.sleep(0.05)
+    assert kill_group(proc, signal.SIGKILL) != 0
+    partial = wf.journal_lines("A1")
+    assert len(partial) < RESUME_PROMPTS, "killed before the end"
+    assert not wf.path(RESUME_TARGET).exists(), "no partial declared output"
+    return partial
+
+
+def resume_killed_run(wf: Workflow, partial: list[str], reference: Workflow) -> None:
+    """``--unlock`` and the same command: the output equals the uninterrupted run's."""
+    wf.run("--unlock")
+    wf.run(RESUME_TARGET)
+    wf.assert_resumed("A1", partial, reference)
+    assert wf.stats("A1")["in_output"] == RESUME_PROMPTS

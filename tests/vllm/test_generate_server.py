@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -34,12 +33,16 @@ from support.real_servers import (
     SERVED_MODEL,
     WEATHER_TOOL,
     assert_shapes_as_recorded,
-    forced_tool_call_body,
-    job_log,
+    budget_workflow,
+    check_budget_run,
+    check_tool_rows,
+    kill_mid_run,
     record_bodies,
+    resume_killed_run,
+    resume_workflows,
     server_log_on_failure,
     server_workflow,
-    tool_prompts,
+    tool_workflow,
 )
 from support.target_models import make_qwen3_dir
 from support.vllm_server import (
@@ -51,11 +54,10 @@ from support.vllm_server import (
     thinking_fields,
     vllm_recording_cases,
 )
-from support.workflow import Workflow, kill_group, sharegpt_prompts, write_prompts
+from support.workflow import sharegpt_prompts, write_prompts
 
 from eagle3data.chat import render
 from eagle3data.generation.records import turn_token_ids
-from eagle3data.prompts.sources import read_prompts, seeded_order
 
 pytestmark = pytest.mark.e2e
 
@@ -318,55 +320,18 @@ def test_reasoning_budget_batching_and_cancelled_requests(
     of 2.5 answers: the first two fit and the third decides the prefix while the others
     decode or wait on the server; those must be aborted there, not run to their end."""
     max_tokens = 512  # a wave of 4 takes seconds: the cancel comes while the next decodes
-    questions = [
-        {"id": f"c{i}", "conversations": [{"from": "human", "value": f"Story {i}, please."}]}
-        for i in range(8)
-    ]
-    prompts = write_prompts(tmp_path / "A1.jsonl", questions)
-    order = [c.id for c in seeded_order(read_prompts(prompts, "sharegpt").conversations, 0)]
-    budget = int(2.5 * max_tokens)
-    thinking = {"enable_thinking": True}
-    wf = server_workflow(
-        tmp_path,
-        qwen3_dir,
-        server,
-        {"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": budget}},
-        chat_template_kwargs=thinking,
-        concurrency=8,
-        sampling={"temperature": 0.0, "max_tokens": max_tokens},
-        # Every answer exactly max_tokens (the plan is fixed), and reasoning to parse.
-        extra_body={"ignore_eos": True, **thinking_fields(tokenizer)},
-    )
+    # Reasoning to parse: the model's greedy <think> forbidden.
+    wf, order = budget_workflow(tmp_path, qwen3_dir, server, max_tokens, thinking_fields(tokenizer))
     offset, before = server.log_offset(), server.finished_counts()
     with peak_running(server) as peak:
         wf.run("results/responses/A1.jsonl")
     log, finished = wait_until_settled(server, offset, before)
 
     with log_on_failure(server, offset):
-        rows, stats = wf.responses("A1"), wf.stats("A1")
-        assert [row["id"] for row in rows] == order[:2]
-        assert (stats["stop_reason"], stats["completion_tokens"]) == ("token_budget", 1024)
+        # vLLM's message.reasoning became the rows' reasoning_content.
+        rows, journaled, cancelled = check_budget_run(wf, order, max_tokens)
         for row in rows:
-            user, answer = row["messages"]
-            assert user["role"] == "user" and answer["role"] == "assistant"
-            # vLLM's message.reasoning became the row's reasoning_content; content null -> "".
-            assert answer["reasoning_content"] and answer["content"] == ""
-            assert "<think>" not in answer["reasoning_content"]
-            [turn] = row["turns"]
-            assert turn == {
-                "finish_reason": "length",
-                "prompt_tokens": turn["prompt_tokens"],
-                "completion_tokens": max_tokens,  # the server's usage, reasoning included
-                "token_ids": turn["token_ids"],
-            }
-            assert row["usage"]["completion_tokens"] == max_tokens
-            assert_ids_as_served(server, row, thinking)
-        journaled = len(wf.journal_lines("A1"))
-        assert 3 <= journaled < 8
-        assert stats["generated_tokens_total"] == journaled * max_tokens
-        assert stats["waste_tokens"] == (journaled - 2) * max_tokens
-        [cancelled] = re.findall(r"A1: cancelled (\d+) requests in flight", job_log(wf, "A1"))
-        assert int(cancelled) == 8 - journaled
+            assert_ids_as_served(server, row, {"enable_thinking": True})
 
         # Server side: all 8 arrived; it decoded several together; what we journaled ran
         # to its end, and every request we dropped, decoding or waiting, was aborted at
@@ -375,7 +340,7 @@ def test_reasoning_budget_batching_and_cancelled_requests(
         assert len(log.received) == 8
         assert 2 <= peak[0] <= MAX_NUM_SEQS
         assert finished == {"length": journaled}
-        assert len(log.aborted) == int(cancelled) and set(log.aborted) <= set(log.received)
+        assert len(log.aborted) == cancelled and set(log.aborted) <= set(log.received)
         assert server.in_engine() == 0
     print(f"\n{peak[0]} decoded at once; cancelled {cancelled}, the server aborted them")
 
@@ -413,48 +378,15 @@ def test_tool_calls_are_parsed_into_the_rows(
 ) -> None:
     """Thinking off, the call forced by vLLM's grammar and parsed by ``hermes``: each
     regenerated turn is a parsed call, the source's tool result relinked to it."""
-    prompts = tmp_path / "T1.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in tool_prompts()), encoding="utf-8")
-    off = {"enable_thinking": False}
-    wf = server_workflow(
-        tmp_path,
-        qwen3_dir,
-        server,
-        {"T1": {"path": str(prompts), "format": "messages"}},
-        chat_template_kwargs=off,
-        concurrency=3,
-        sampling={"temperature": 0.0, "max_tokens": 128},
-        extra_body=forced_tool_call_body(tokenizer),
-    )
+    wf = tool_workflow(tmp_path, qwen3_dir, server, tokenizer)
     offset = server.log_offset()
     wf.run("results/responses/T1.jsonl")
     with log_on_failure(server, offset):
-        rows = {row["id"]: row for row in wf.responses("T1")}
-        assert rows.keys() == {"t0", "t1", "t2"}
-        assert wf.path("results/responses/T1.errors.jsonl").read_text() == ""
+        rows = check_tool_rows(wf, "chatcmpl-tool-")
         for row in rows.values():
-            assert row["tools"] == [WEATHER_TOOL]
-            answers = [m for m in row["messages"] if m["role"] == "assistant"]
-            assert len(answers) == len(row["turns"]) == {"t0": 1, "t1": 2, "t2": 2}[row["id"]]
-            for answer, turn in zip(answers, row["turns"], strict=True):
-                [call] = answer["tool_calls"]  # parallel_tool_calls: false
-                assert answer["content"] == "" and call["type"] == "function"
-                assert call["id"].startswith("chatcmpl-tool-")
-                assert call["function"]["name"] == "get_weather"
-                assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Berlin")
-                assert turn["finish_reason"] == "tool_calls" and turn["completion_tokens"] > 0
+            for turn in row["turns"]:  # the call, then the end token the bias forces
                 assert turn["token_ids"]["completion"][-1] == tokenizer.eos_token_id
-            assert_ids_as_served(server, row, off, [WEATHER_TOOL])
-        _, first, tool, second = rows["t1"]["messages"]
-        assert tool == {
-            "role": "tool",
-            "tool_call_id": first["tool_calls"][0]["id"],  # relinked to the regenerated call
-            "name": "get_weather",
-            "content": "sunny",
-        }
-        assert second["tool_calls"][0]["id"] != first["tool_calls"][0]["id"]  # random ids
-        results = [m for m in rows["t2"]["messages"] if m["role"] == "tool"]
-        assert [m["tool_call_id"] for m in results] == ["src_a", "src_b"]
+            assert_ids_as_served(server, row, {"enable_thinking": False}, [WEATHER_TOOL])
 
 
 def test_a_killed_run_resumes_to_the_uninterrupted_output(
@@ -464,31 +396,10 @@ def test_a_killed_run_resumes_to_the_uninterrupted_output(
     job had in flight, and unlock + the same command finishes with the file an
     uninterrupted run against the same server wrote (greedy vLLM with one OpenMP thread
     does not depend on the batch: see the support module)."""
-    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(10))
-    datasets = {"A1": {"path": str(prompts), "format": "sharegpt"}}
-    off = {"enable_thinking": False}
-    options: dict[str, Any] = {
-        "chat_template_kwargs": off,
-        "concurrency": 2,
-        "sampling": {"temperature": 0.0, "max_tokens": 128},
-        "extra_body": {"ignore_eos": True},
-    }
-    reference = server_workflow(tmp_path, qwen3_dir, server, datasets, "reference", **options)
-    reference.run("results/responses/A1.jsonl")
-
-    wf: Workflow = server_workflow(tmp_path, qwen3_dir, server, datasets, "killed", **options)
-    target = "results/responses/A1.jsonl"
+    reference, wf = resume_workflows(tmp_path, qwen3_dir, server, 128)
     offset, before = server.log_offset(), server.finished_counts()
-    proc = wf.start(target)
-    deadline = time.monotonic() + 300
-    # Kill once 3 conversations are journaled and a request is in the engine.
-    while len(wf.journal_lines("A1")) < 3 or server.in_engine() == 0:
-        assert proc.poll() is None, "generation finished before it could be killed"
-        assert time.monotonic() < deadline, "no progress in 300 s"
-        time.sleep(0.05)
-    assert kill_group(proc, signal.SIGKILL) != 0
-    partial = wf.journal_lines("A1")
-    assert len(partial) < 10 and not wf.path(target).exists(), "no partial declared output"
+    # Killed once a request is in the engine.
+    partial = kill_mid_run(wf, lambda: server.in_engine() > 0)
     log, finished = wait_until_settled(server, offset, before)
     with log_on_failure(server, offset):
         # Every request the dead job left unfinished was aborted, none is left running.
@@ -497,9 +408,6 @@ def test_a_killed_run_resumes_to_the_uninterrupted_output(
         assert server.in_engine() == 0
     print(f"\nkilled after {len(partial)} of 10 records; the server aborted {unfinished}")
 
-    wf.run("--unlock")
-    wf.run(target)
-    wf.assert_resumed("A1", partial, reference)
-    assert wf.stats("A1")["in_output"] == 10
+    resume_killed_run(wf, partial, reference)
     for row in wf.responses("A1"):
-        assert_ids_as_served(server, row, off)
+        assert_ids_as_served(server, row, {"enable_thinking": False})

@@ -104,7 +104,7 @@ Cancellation and batching
 * ``--max-num-seqs`` requests are decoded together, the rest wait [T: 4 at once].
 * Greedy output with one bound OpenMP thread did not depend on the batch: 8 prompts of 128
   tokens alone and together gave the same ids [T: an interrupted run resumed equals an
-  uninterrupted one]. The whole test module takes ~2.5 min with the server's start-up.
+  uninterrupted one]. The whole test module takes 2.5-3 min with the server's start-up.
 """
 
 from __future__ import annotations

@@ -351,9 +351,10 @@ def thinking_fields(tokenizer: Any) -> dict[str, Any]:
 
 
 def vllm_recording_cases(tokenizer: Any, model: str = SERVED_MODEL) -> dict[str, dict[str, Any]]:
-    """SGLang's cases (:func:`support.real_servers.recording_cases`, thinking as
-    :func:`thinking_fields`) plus the token ids of answers that end on the end token (after
-    ``min_tokens`` of the model's own), on a stop string, and on ``max_tokens``."""
+    """The cases both servers are recorded in (:func:`support.real_servers.recording_cases`,
+    thinking as :func:`thinking_fields`) plus the token ids of answers that end on the end
+    token (after ``min_tokens`` of the model's own), on a stop string, and on
+    ``max_tokens``."""
     cases = recording_cases(tokenizer, model, thinking=thinking_fields(tokenizer))
     with_ids = {"return_token_ids": True}
     cases["chat_token_ids_eos"] = {**cases["chat_stop_eos"], **with_ids, "min_tokens": 3}

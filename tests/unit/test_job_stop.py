@@ -97,6 +97,44 @@ def test_a_stopped_generation_says_what_it_kept(tmp_path: Path) -> None:
         run_generation(job, lambda: _StoppedAfter(1, signal.SIGINT))
 
 
+def test_a_signal_during_a_journal_append_waits_for_its_counts(tmp_path: Path) -> None:
+    # A real SIGINT lands right after a batch reached the journal and before the run
+    # counted it (seen in CI: "10 responses ... are kept" beside 12 in the journal).
+    log, journal = tmp_path / "job.log", tmp_path / "B2.jsonl"
+    code = _job_script(
+        f"""
+        sys.path.insert(0, {str(REPO / "tests")!r})
+        from pathlib import Path
+        from support.fakes import FakeEngine, single_turn
+        from eagle3data.generation import driver
+        from eagle3data.generation.journal import JournalWriter
+
+        appended = JournalWriter.append_many
+
+        def append_then_stop(self, records):
+            appended(self, records)
+            if sum(1 for _ in open(self.path)) >= 4:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        JournalWriter.append_many = append_then_stop
+        job = driver.GenerationJob(
+            dataset="B2", prompts=[single_turn(f"q{{i}}", f"q {{i}}") for i in range(12)],
+            journal=Path({str(journal)!r}), model="m", sampling={{"max_tokens": 8}},
+            batch_size=2, progress_interval_s=0,
+        )
+        run_step({str(log)!r}, lambda: driver.run_generation(job, FakeEngine))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + log.read_text()
+    [line] = [x for x in log.read_text().splitlines() if "stopped by" in x]
+    assert len(list(read_journal(journal))) == 4
+    assert f"B2: stopped by SIGINT; 4 responses finished in this run are kept (4 in {journal})" in (
+        line
+    )
+
+
 def test_the_engine_reports_a_batch_while_it_runs(tiny_model_dir: Path, caplog) -> None:
     from eagle3data.generation.engines.transformers_engine import TransformersEngine
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_jsonl
-from ..driver_signals import signal_name
+from ..driver_signals import signal_name, stop_deferred
 from ..errors import GenerationAborted
 from .budget import (
     LengthModel,
@@ -554,7 +554,10 @@ def _batched(run: _Run, engine_factory: Any) -> None:
     while not run.sel.complete:
         batch = run.plan(run.job.batch_size)
         new = regenerate(engine, [run.by_id[run.order[pos]] for pos in batch], run.job.seed)
-        run.commit(new)
+        # A stop between the append and the counts would say fewer responses are kept
+        # than the journal holds.
+        with stop_deferred():
+            run.commit(new)
 
 
 async def _converse(engine: AsyncEngine, prompt: Prompt) -> JournalRecord:

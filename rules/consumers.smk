@@ -12,6 +12,7 @@ rule export_specforge:
         "../envs/torch.yaml"
     params:
         work_dir=layout.SPECFORGE_WORK,
+        dtype=lookup(dpath="export/dtype", within=config),
     script:
         "../scripts/export_specforge.py"
 

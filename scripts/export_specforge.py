@@ -15,4 +15,5 @@ run_step(
     shard_dir=str(Path(snakemake.input.manifest).parent),
     out_dir=snakemake.output.directory,
     work_dir=snakemake.params.work_dir,
+    dtype=snakemake.params.dtype,
 )

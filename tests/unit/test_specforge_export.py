@@ -46,8 +46,15 @@ def write_dataset(directory: Path, hidden_dtype: str, lengths: list[list[int]]) 
     return samples
 
 
-@pytest.mark.parametrize("hidden_dtype", ["bfloat16", "float16", "float32"])
-def test_export_matches_the_shards(tmp_path: Path, hidden_dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("hidden_dtype", "export_dtype"),
+    [("bfloat16", None), ("float32", None), ("float16", "float16"), ("float32", "float32")],
+)
+def test_export_matches_the_shards(
+    tmp_path: Path, hidden_dtype: str, export_dtype: str | None
+) -> None:
+    """bf16 by default, whatever the forward dtype (SpecForge trains in bf16 only); any
+    export dtype holds the shards' values rounded once."""
     samples = write_dataset(tmp_path / "hs" / "A1", hidden_dtype, [[5, 9, 3], [7], [4, 6]])
     out = tmp_path / "specforge" / "A1"
     export_specforge(
@@ -55,9 +62,11 @@ def test_export_matches_the_shards(tmp_path: Path, hidden_dtype: str) -> None:
         shard_dir=str(tmp_path / "hs" / "A1"),
         out_dir=str(out),
         work_dir=str(tmp_path / "w"),
+        **({} if export_dtype is None else {"dtype": export_dtype}),
     )
-    dtype = TORCH_DTYPES[hidden_dtype]
+    dtype = TORCH_DTYPES[export_dtype or "bfloat16"]
     index = json.loads((out / "index.json").read_text())
+    assert index["dtype"] == (export_dtype or "bfloat16")
     assert index["num_samples"] == len(samples)
     assert [s["id"] for s in index["samples"]] == [s["sample_id"] for s in samples]
     for i, s in enumerate(samples):
@@ -73,9 +82,11 @@ def test_export_matches_the_shards(tmp_path: Path, hidden_dtype: str) -> None:
         assert raw["hidden_state"].shape == (1, t, H) and raw["hidden_state"].dtype == dtype
         assert raw["aux_hidden_state"].shape == (1, t, 3 * H)
         assert raw["aux_hidden_state"].dtype == dtype
-        # The stored dtype's values exactly (the shard rounds float32 input once).
-        assert torch.equal(raw["hidden_state"][0], s["last_hidden_states"].to(dtype))
-        assert torch.equal(raw["aux_hidden_state"][0], s["aux_hidden_states"].to(dtype))
+        # The shard's values, rounded once to the export dtype.
+        stored = TORCH_DTYPES[hidden_dtype]
+        last, aux = (s[k].to(stored).to(dtype) for k in ("last_hidden_states", "aux_hidden_states"))
+        assert torch.equal(raw["hidden_state"][0], last)
+        assert torch.equal(raw["aux_hidden_state"][0], aux)
         # Only this conversation's bytes: no padding, no shared storage saved along.
         assert raw["aux_hidden_state"].untyped_storage().nbytes() == t * 3 * H * dtype.itemsize
     assert not list((tmp_path / "w").iterdir()), "the temporary directory was renamed away"

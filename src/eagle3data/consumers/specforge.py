@@ -7,8 +7,8 @@ conversation, written by its ``scripts/prepare_hidden_states.py``:
 
     input_ids         [L]        int64
     loss_mask         [L]        int64 (0/1)
-    hidden_state      [1, L, H]  model dtype   final layer after the final norm
-    aux_hidden_state  [1, L, 3H] model dtype   the three aux layers, concatenated
+    hidden_state      [1, L, H]  export dtype  final layer after the final norm
+    aux_hidden_state  [1, L, 3H] export dtype  the three aux layers, concatenated
 
 (storage contract ``specforge_hidden_states_v1`` in
 ``specforge/algorithms/eagle3/providers.py``; file naming in
@@ -18,9 +18,11 @@ conversation, written by its ``scripts/prepare_hidden_states.py``:
 ``torch.load(path, weights_only=False, mmap=True)``; training then uses
 ``aux_hidden_state`` as the draft input and ``hidden_state`` as the target (projected
 by the target's lm_head). Unlike SpecForge's own capture, no padding is stored: L is
-the conversation's length. "Model dtype" is the shards' ``hidden_dtype``: shards stored
-as float8 (``hidden_states.storage_dtype``) are dequantized to it by the loader, since
-SpecForge reads plain tensors, so the export takes the bytes of the forward dtype.
+the conversation's length. "Export dtype" is ``export.dtype``, bf16 by default: SpecForge's
+``TargetHead`` casts the target's head to bf16, so its training fails on float32 states
+("expected m1 and m2 to have the same dtype"), which is what a CPU forward gives. Shards
+stored as float8 (``hidden_states.storage_dtype``) are dequantized by the loader first,
+since SpecForge reads plain tensors.
 
 ``index.json`` (ignored by SpecForge's reader: not a ``.ckpt``) maps every file to its
 conversation id and records the shards' provenance attributes.
@@ -42,7 +44,13 @@ import torch
 from ..atomic import atomic_directory
 from ..loader import HiddenStateDataset
 
-__all__ = ["FILE_GROUP_SIZE", "export_specforge", "specforge_file_name", "specforge_record"]
+__all__ = [
+    "EXPORT_DTYPES",
+    "FILE_GROUP_SIZE",
+    "export_specforge",
+    "specforge_file_name",
+    "specforge_record",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +58,8 @@ log = logging.getLogger(__name__)
 FILE_GROUP_SIZE = 2000
 STORAGE_FORMAT = "specforge_hidden_states_v1"
 INDEX = "index.json"
+# export.dtype's names (config/schema.yaml) as torch dtypes.
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def specforge_file_name(index: int, group_size: int = FILE_GROUP_SIZE) -> str:
@@ -58,14 +68,17 @@ def specforge_file_name(index: int, group_size: int = FILE_GROUP_SIZE) -> str:
     return f"rows_{group}-{group + group_size}/data_{index}.ckpt"
 
 
-def specforge_record(item: dict[str, Any]) -> dict[str, torch.Tensor]:
+def specforge_record(
+    item: dict[str, Any], dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
     """One loader item in SpecForge's key names, shapes and dtypes."""
+    # Fresh storages (clone when the dtype already matches): torch.save writes a view's
+    # whole storage, not just the view.
     return {
         "input_ids": item["input_ids"].to(torch.int64),
         "loss_mask": item["loss_mask"].to(torch.int64),
-        # Fresh storages: torch.save writes a view's whole storage, not just the view.
-        "hidden_state": item["last_hidden_states"].unsqueeze(0).clone(),
-        "aux_hidden_state": item["aux_hidden_states"].unsqueeze(0).clone(),
+        "hidden_state": item["last_hidden_states"].unsqueeze(0).to(dtype, copy=True),
+        "aux_hidden_state": item["aux_hidden_states"].unsqueeze(0).to(dtype, copy=True),
     }
 
 
@@ -76,8 +89,11 @@ def export_specforge(
     out_dir: str,
     work_dir: str,
     group_size: int = FILE_GROUP_SIZE,
+    dtype: str = "bfloat16",
 ) -> None:
-    """Write every conversation of ``shard_dir`` (validated shards) as SpecForge files."""
+    """Write every conversation of ``shard_dir`` (validated shards) as SpecForge files,
+    hidden states in ``dtype`` (a name of :data:`EXPORT_DTYPES`)."""
+    torch_dtype = EXPORT_DTYPES[dtype]
     data = HiddenStateDataset(shard_dir)
     manifest = json.loads((Path(shard_dir) / "manifest.json").read_text(encoding="utf-8"))
     samples = []
@@ -89,7 +105,7 @@ def export_specforge(
             path = tmp / name
             path.parent.mkdir(exist_ok=True)
             with open(path, "wb") as fh:
-                torch.save(specforge_record(item), fh)
+                torch.save(specforge_record(item, torch_dtype), fh)
                 fh.flush()
                 os.fsync(fh.fileno())
             samples.append({"file": name, "id": item["id"], "tokens": len(item["input_ids"])})
@@ -101,6 +117,7 @@ def export_specforge(
             "num_samples": len(samples),
             "num_tokens": tokens,
             "file_group_size": group_size,
+            "dtype": dtype,
             "keys": {
                 "input_ids": "[L] int64",
                 "loss_mask": "[L] int64",

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.oracles import specforge_list, specforge_normalize
+from specforge.algorithms.eagle3.data import normalize_offline_sample
+from specforge.runtime.data_plane.feature_store import load_feature_file
+from specforge.runtime.data_plane.offline_reader import list_feature_files
 
 from eagle3data.consumers.specforge import export_specforge, specforge_file_name
 from eagle3data.shards import ShardWriter
@@ -92,7 +94,7 @@ def test_export_matches_the_shards(
     assert not list((tmp_path / "w").iterdir()), "the temporary directory was renamed away"
 
 
-def test_specforge_reader_logic_accepts_the_export(tmp_path: Path) -> None:
+def test_specforge_reader_accepts_the_export(tmp_path: Path) -> None:
     samples = write_dataset(tmp_path / "hs" / "B2", "bfloat16", [[6, 4], [9]])
     out = tmp_path / "specforge" / "B2"
     export_specforge(
@@ -101,11 +103,11 @@ def test_specforge_reader_logic_accepts_the_export(tmp_path: Path) -> None:
         out_dir=str(out),
         work_dir=str(tmp_path / "w"),
     )
-    files = specforge_list(tmp_path / "specforge")  # the parent: every dataset's files
+    files = list_feature_files(str(tmp_path / "specforge"))  # the parent: every dataset's
     assert len(files) == len(samples)
     for path in files:
-        raw = torch.load(path, weights_only=False, mmap=True)
-        ready = specforge_normalize(raw, max_len=5)
+        raw = load_feature_file(path)
+        ready = normalize_offline_sample(raw, max_len=5)
         n = min(5, raw["input_ids"].numel())
         for key in ("input_ids", "loss_mask", "attention_mask"):
             assert ready[key].shape == (1, n)

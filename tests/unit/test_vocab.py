@@ -9,7 +9,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
-from support.oracles import check_specforge_consistency, reference_ids
+from specforge.core.compact_teacher import validate_vocab_mapping_consistency
+from support.oracles import reference_ids
 
 from eagle3data.consumers.vocab import (
     DraftVocabError,
@@ -48,7 +49,7 @@ def test_hand_computed_example(tmp_path: Path) -> None:
     assert vocab.t2d.nonzero().flatten().tolist() == [2, 7, 9]
     assert (vocab.loss_tokens, vocab.covered_tokens, vocab.distinct_tokens) == (8, 7, 4)
     assert vocab.coverage == 7 / 8 and vocab.padded == 0
-    check_specforge_consistency(vocab.d2t, vocab.t2d)
+    validate_vocab_mapping_consistency(vocab.t2d, vocab.d2t)
     # Draft id -> target id, as the drafter maps its argmax back.
     draft_ids = torch.arange(3)
     assert (draft_ids + vocab.d2t[draft_ids]).tolist() == [2, 7, 9]
@@ -67,7 +68,7 @@ def test_fewer_distinct_tokens_than_size_pads_with_the_lowest_unseen_ids() -> No
     assert vocab.used.tolist() == [0, 1, 2, 3, 5]  # SpecForge fills from range(size) too
     assert vocab.padded == 3 and vocab.coverage == 1.0
     assert int(vocab.t2d.sum()) == 5
-    check_specforge_consistency(vocab.d2t, vocab.t2d)
+    validate_vocab_mapping_consistency(vocab.t2d, vocab.d2t)
 
 
 def test_no_supervised_tokens_gives_the_lowest_ids() -> None:
@@ -104,7 +105,7 @@ def test_random_counts_agree_with_a_plain_sort() -> None:
     want = reference_ids(counts, 100, 500)
     assert vocab.used.tolist() == want
     assert int(vocab.t2d.sum()) == 100
-    check_specforge_consistency(vocab.d2t, vocab.t2d)
+    validate_vocab_mapping_consistency(vocab.t2d, vocab.d2t)
     assert vocab.covered_tokens == sum(counts[t] for t in want)
 
 

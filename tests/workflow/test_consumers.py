@@ -10,7 +10,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
-from support.oracles import check_specforge_consistency, reference_ids
+from specforge.core.compact_teacher import validate_vocab_mapping_consistency
+from support.oracles import reference_ids
 from support.workflow import Workflow, alpaca_prompts, new_workflow, sharegpt_prompts, write_prompts
 
 from eagle3data.consumers.specforge import specforge_file_name
@@ -43,7 +44,7 @@ def test_the_default_target_builds_the_vocab_over_all_datasets(
     mapping = torch.load(wf.path("results/vocab/draft_vocab.pt"), weights_only=True)
     assert mapping["t2d"].shape == (vocab_size,)
     assert mapping["t2d"].nonzero().flatten().tolist() == want
-    check_specforge_consistency(mapping["d2t"], mapping["t2d"])
+    validate_vocab_mapping_consistency(mapping["t2d"], mapping["d2t"])
     summary = json.loads(wf.path("results/vocab/draft_vocab.json").read_text())
     assert summary["loss_tokens"] == sum(counts.values())
     assert summary["distinct_loss_tokens"] == len(counts)

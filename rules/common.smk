@@ -89,6 +89,8 @@ def final_targets():
     targets += [rules.report.output.summary]  # and the report's pictures (rules/report.smk)
     if config["export"]["specforge"]:
         targets += expand(rules.export_specforge.output.directory, dataset=DATASETS)
+    if config["export"]["speculators"]:
+        targets += [rules.export_speculators.output.directory]
     return targets
 
 

@@ -1,4 +1,4 @@
-# Consumers of the shards: SpecForge export (optional) and the draft vocabulary.
+# Consumers of the shards: the SpecForge and speculators exports (optional) and the draft vocabulary.
 
 
 rule export_specforge:
@@ -33,3 +33,25 @@ rule draft_vocab:
         datasets=DATASETS,
     script:
         "../scripts/draft_vocab.py"
+
+
+rule export_speculators:
+    input:
+        manifests=expand(rules.validate.output.manifest, dataset=DATASETS),
+        responses=expand(rules.generate.output.responses, dataset=DATASETS),
+        draft_vocab=rules.draft_vocab.output.mapping,
+        model=model_config_file(),
+    output:
+        directory=directory(layout.SPECULATORS),
+    log:
+        "logs/export_speculators/export_speculators.log",
+    conda:
+        "../envs/torch.yaml"
+    params:
+        work_dir=layout.SPECULATORS_WORK,
+        datasets=DATASETS,
+        dtype=lookup(dpath="export/dtype", within=config),
+        seed=lookup(dpath="prompts/shuffle_seed", within=config),
+        trust_remote_code=lookup(dpath="model/trust_remote_code", within=config),
+    script:
+        "../scripts/export_speculators.py"

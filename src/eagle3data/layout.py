@@ -45,6 +45,9 @@ DRAFT_VOCAB = f"{RESULTS}/vocab/draft_vocab.pt"
 DRAFT_VOCAB_SUMMARY = f"{RESULTS}/vocab/draft_vocab.json"
 SPECFORGE = f"{RESULTS}/specforge/{{dataset}}"
 SPECFORGE_WORK = f"{WORK}/specforge"
+# One vLLM speculators training folder for every dataset (consumers/speculators.py).
+SPECULATORS = f"{RESULTS}/speculators"
+SPECULATORS_WORK = f"{WORK}/speculators"
 REPORT_FIGURE = f"{RESULTS}/report/{{figure}}.png"
 REPORT_SUMMARY = f"{RESULTS}/report/summary.html"
 

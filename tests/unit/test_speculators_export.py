@@ -80,7 +80,9 @@ MODELS = {
 }
 
 
-def _write_run(base: Path, model_dir: Path, *, draft_size: int = 32) -> dict[str, Any]:
+def _write_run(
+    base: Path, model_dir: Path, *, draft_size: int = 32, storage_dtype: str = "float32"
+) -> dict[str, Any]:
     """Greedy data of the model, extracted into shards, a manifest like the validate
     job's (agreement over every produced position), and a draft vocabulary."""
     trust = bool(remote_code_files(model_dir))  # the Kimi fixture's tokenizer
@@ -125,7 +127,11 @@ def _write_run(base: Path, model_dir: Path, *, draft_size: int = 32) -> dict[str
                 **extractor.aux.as_attrs(),
             }
             with ShardWriter(
-                path, hidden_size=extractor.hidden_size, hidden_dtype="float32", attrs=attrs
+                path,
+                hidden_size=extractor.hidden_size,
+                hidden_dtype="float32",
+                attrs=attrs,
+                storage_dtype=storage_dtype,  # type: ignore[arg-type]
             ) as w:
                 extract_into_shard(extractor, w, sample_ids, ids, masks, batch_tokens=256)
             with open_shard(path) as shard:
@@ -345,3 +351,22 @@ def test_plain_rms_norms_are_inverted_and_zero_weights_refused(tmp_path: Path) -
 def test_float16_export_is_refused(run: dict, tmp_path: Path) -> None:
     with pytest.raises(spec.SpeculatorsExportError, match="bfloat16 or float32"):
         _export(run, tmp_path / "speculators", dtype="float16")
+
+
+def test_fp8_shards_are_exported_dequantized(tmp_path: Path) -> None:
+    model_dir = _llama_dir(tmp_path / "model")
+    _randomize_final_norm(model_dir)
+    run = _write_run(tmp_path / "data", model_dir, storage_dtype="float8_e4m3fn")
+    out = tmp_path / "speculators"
+    _export(run, out, dtype="float32")
+    info = json.loads((out / spec.EXPORT_JSON).read_text())
+    check = info["self_check"]
+    assert check["final_state_max_rel_error"] < check["final_state_tolerance"]
+    assert check["final_state_tolerance"] == spec.FP8_FINAL_STATE_TOLERANCE
+    # The aux states are the loader's dequantized values, exactly (float32: no rounding).
+    first = info["rows"][0]
+    data = HiddenStateDataset(run[first["dataset"]])
+    item = next(data[j] for j in range(len(data)) if data[j]["id"] == first["id"])
+    states = load_file(out / "hidden_states" / "hs_0.safetensors")["hidden_states"]
+    assert states.dtype == torch.float32
+    assert torch.equal(states[:, :3].flatten(1), item["aux_hidden_states"].float())

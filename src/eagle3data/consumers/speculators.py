@@ -283,7 +283,6 @@ def export_speculators(
     dataset of ``datasets``) as one speculators training folder at ``out_dir``, check it
     through speculators' own code and rename it into place. ``responses`` (the datasets'
     response files) lets the self-check use the manifest's very positions."""
-    from datasets import Dataset, Features, List, Value
     from safetensors.torch import save
 
     if dtype not in EXPORT_DTYPES:
@@ -328,21 +327,7 @@ def export_speculators(
             origin.append({"dataset": datasets[row.dataset], "id": item["id"], "tokens": length})
         for loader in loaders:
             loader.close()
-        features = Features(
-            {
-                "input_ids": List(Value("int64")),
-                "loss_mask": List(Value("int64")),
-                "seq_len": Value("int64"),
-            }
-        )
-        table = Dataset.from_dict(
-            {
-                "input_ids": [a.tolist() for a in ids],
-                "loss_mask": [m.tolist() for m in masks],
-                "seq_len": [len(a) for a in ids],
-            },
-            features=features,
-        )
+        table = _rows_table(ids, masks)
         # A fingerprint from the content: save_to_disk writes it, and a random one
         # would make two runs' bytes differ.
         table._fingerprint = _fingerprint(origin, dtype, seed)
@@ -402,6 +387,37 @@ def export_speculators(
         out_dir,
         info["train_command"],
     )
+
+
+def _rows_table(ids: Sequence[np.ndarray], masks: Sequence[np.ndarray]) -> Any:
+    """The rows as an HF dataset, built from Arrow arrays (16 bytes a token, no Python
+    int per token)."""
+    import pyarrow as pa
+    from datasets import Dataset, DatasetInfo, Features, List, Value
+    from datasets.table import InMemoryTable
+
+    lengths = np.array([a.size for a in ids], dtype=np.int64)
+    if lengths.sum() >= 2**31:  # Arrow lists (what speculators' rows are) index with int32
+        raise SpeculatorsExportError(
+            f"{int(lengths.sum())} tokens do not fit one speculators training folder's Arrow "
+            f"lists (2^31); export fewer datasets"
+        )
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+
+    def column(parts: Sequence[np.ndarray]) -> Any:
+        values = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return pa.ListArray.from_arrays(offsets, pa.array(values.astype(np.int64)))
+
+    features = Features(
+        {
+            "input_ids": List(Value("int64")),
+            "loss_mask": List(Value("int64")),
+            "seq_len": Value("int64"),
+        }
+    )
+    arrays = {"input_ids": column(ids), "loss_mask": column(masks), "seq_len": pa.array(lengths)}
+    table = pa.table(arrays, schema=features.arrow_schema)
+    return Dataset(InMemoryTable(table), info=DatasetInfo(features=features))
 
 
 def _fingerprint(origin: Sequence[Mapping[str, Any]], dtype: str, seed: int) -> str:

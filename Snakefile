@@ -15,6 +15,7 @@ include: "rules/generate.smk"
 include: "rules/tokenize.smk"
 include: "rules/hidden_states.smk"
 include: "rules/consumers.smk"
+include: "rules/draft_check.smk"
 include: "rules/report.smk"
 
 

@@ -91,6 +91,8 @@ def final_targets():
         targets += expand(rules.export_specforge.output.directory, dataset=DATASETS)
     if config["export"]["speculators"]:
         targets += [rules.export_speculators.output.directory]
+    if config["draft_check"]["enabled"]:
+        targets += [rules.draft_check.output.summary]
     return targets
 
 

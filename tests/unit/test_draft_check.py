@@ -125,6 +125,7 @@ def test_margins_are_worst_trained_minus_best_control() -> None:
     m = margins(results)
     assert m["shifted.step1_agreement"]["margin"] == pytest.approx(0.25)
     assert m["shifted.step1_agreement"]["spread"] == pytest.approx(0.1)
+    assert m["shifted.step1_agreement"]["control_spread"] == pytest.approx(0.05)
     assert m["untrained.acceptance_length"]["margin"] == pytest.approx(0.78)
 
 

@@ -507,8 +507,8 @@ def aggregate(results: Sequence[VariantResult]) -> dict[str, dict[str, dict[str,
 
 def margins(results: Sequence[VariantResult]) -> dict[str, dict[str, float]]:
     """For each control and metric: min over seeds of ``trained`` minus max over seeds of the
-    control (positive: every trained seed beats every control seed), and the largest
-    seed-to-seed spread (max - min) of either, the noise a margin has to clear."""
+    control (positive: every trained seed beats every control seed), and the seed-to-seed
+    spreads (max - min): ``trained_spread``, ``control_spread`` and the larger, ``spread``."""
     out: dict[str, dict[str, float]] = {}
     trained = [r for r in results if r.variant == "trained"]
     for control in CONTROLS:
@@ -521,6 +521,8 @@ def margins(results: Sequence[VariantResult]) -> dict[str, dict[str, float]]:
             out[f"{control}.{metric}"] = {
                 "margin": min(t) - max(c),
                 "spread": max(max(t) - min(t), max(c) - min(c)),
+                "trained_spread": max(t) - min(t),
+                "control_spread": max(c) - min(c),
             }
     return out
 

@@ -8,7 +8,7 @@ rule draft_check:
         draft_vocab=rules.draft_vocab.output.mapping,
         model=model_config_file(),
     output:
-        summary="results/draft_check/summary.json",
+        summary=layout.DRAFT_CHECK,
     log:
         "logs/draft_check/draft_check.log",
     conda:

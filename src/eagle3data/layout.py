@@ -48,6 +48,7 @@ SPECFORGE_WORK = f"{WORK}/specforge"
 # One vLLM speculators training folder for every dataset (consumers/speculators.py).
 SPECULATORS = f"{RESULTS}/speculators"
 SPECULATORS_WORK = f"{WORK}/speculators"
+DRAFT_CHECK = f"{RESULTS}/draft_check/summary.json"
 REPORT_FIGURE = f"{RESULTS}/report/{{figure}}.png"
 REPORT_SUMMARY = f"{RESULTS}/report/summary.html"
 

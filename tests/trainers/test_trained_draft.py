@@ -15,6 +15,7 @@ positions for a margin that clears the noise.)
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,6 +24,8 @@ import pytest
 import torch
 
 pytest.importorskip("speculators", reason="the README's test command installs speculators==0.9.0")
+
+from support.exported_run import ExportedRun
 
 from eagle3data.consumers.draft_check import (
     DraftCheckSettings,
@@ -128,3 +131,22 @@ def test_trained_draft_beats_shifted_and_untrained_controls(smollm2_dir: Path) -
     ]
     broken = margins(runs)
     assert not _passes(broken, "untrained"), broken
+
+
+def test_the_draft_check_rule_runs_on_the_workflows_shards(exported_run: ExportedRun) -> None:
+    """Off by default; enabled, the rule writes every variant's figures for every seed."""
+    wf = exported_run.workflow
+    assert "draft_check" not in wf.run("-n").stdout
+    config = dict(wf.config)
+    wf.config = {**config, "draft_check": {"enabled": True, "seeds": [0], "epochs": 1}}
+    wf.write_config()
+    try:
+        wf.run("results/draft_check/summary.json", timeout=600)
+        summary = json.loads(wf.path("results/draft_check/summary.json").read_text())
+        assert set(summary["aggregate"]) == {"trained", "shifted", "untrained"}
+        assert {key.split(".")[0] for key in summary["margins"]} == {"shifted", "untrained"}
+        assert wf.path("logs/draft_check/draft_check.log").read_text().strip()
+        assert wf.plans_nothing()
+    finally:
+        wf.config = config
+        wf.write_config()

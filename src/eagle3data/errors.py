@@ -21,6 +21,7 @@ or config, ``RuntimeError`` for a run that cannot go on)::
     │   └── GpuSlotTimeout                      they stayed taken for too long
     ├── SGLangCaptureError      (RuntimeError)  SGLang cannot capture what was asked for
     ├── DiskSpaceError          (RuntimeError)  the hidden states would not fit on the disk
+    ├── SpeculatorsExportError  (RuntimeError)  shards that cannot be made exactly what speculators reads
     └── ValidationError         (RuntimeError)  produced data failed a check
 
 This module imports nothing, so the job runner can tell a user error from a bug on its
@@ -93,6 +94,10 @@ class SGLangCaptureError(UserError, RuntimeError):
 
 class DiskSpaceError(UserError, RuntimeError):
     """The hidden states would not fit on the disk."""
+
+
+class SpeculatorsExportError(UserError, RuntimeError):
+    """The shards cannot be made into exactly what speculators trains on."""
 
 
 class ValidationError(UserError, RuntimeError):

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_directory
-from ..errors import UserError
+from ..errors import SpeculatorsExportError
 from ..hidden_states import agreement
 from ..loader import HiddenStateDataset
 from ..model_config import hidden_size as config_hidden_size
@@ -97,10 +97,6 @@ DRAFT_ARCH = "llama"
 _DEFAULT_TOTAL_SEQ_LEN = 8192
 # speculators' checkpoint key of the final norm (speculators/model.py).
 _SPECULATORS_NORM_KEY = "model.norm.weight"
-
-
-class SpeculatorsExportError(UserError, RuntimeError):
-    """The shards cannot be made into exactly what speculators trains on."""
 
 
 # ------------------------------------------------------------------ the final norm

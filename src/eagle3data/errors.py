@@ -21,7 +21,7 @@ or config, ``RuntimeError`` for a run that cannot go on)::
     │   └── GpuSlotTimeout                      they stayed taken for too long
     ├── SGLangCaptureError      (RuntimeError)  SGLang cannot capture what was asked for
     ├── DiskSpaceError          (RuntimeError)  the hidden states would not fit on the disk
-    ├── SpeculatorsExportError  (RuntimeError)  shards that cannot be made exactly what speculators reads
+    ├── SpeculatorsExportError  (RuntimeError)  shards not exportable exactly for speculators
     └── ValidationError         (RuntimeError)  produced data failed a check
 
 This module imports nothing, so the job runner can tell a user error from a bug on its

@@ -192,6 +192,7 @@ def test_engine_kwargs_turn_off_what_would_shorten_the_rows():
     assert kwargs["speculative_algorithm"] == "EAGLE3"
     assert kwargs["return_aux_hidden_state_layer_ids"] == [1, 4, 6]
     assert (kwargs["tp_size"], kwargs["ep_size"]) == (8, 8)
+    assert (kwargs["dp_size"], kwargs["enable_dp_attention"]) == (1, False)
     assert kwargs["mem_fraction_static"] == 0.8
     (hook,) = kwargs["forward_hooks"]
     assert hook["hook_factory"] == HOOK_FACTORY
@@ -425,6 +426,8 @@ def test_schema_accepts_the_sglang_backend_and_fills_its_defaults():
     assert hidden["sglang"] == {
         "tp_size": 8,
         "ep_size": 1,
+        "dp_size": 1,
+        "enable_dp_attention": False,
         "mem_fraction_static": 0.8,
         "handoff": "shared_memory",
         "handoff_dir": "auto",
@@ -476,7 +479,7 @@ def test_capture_hands_states_over_as_views_that_outlive_the_files(model_dir, ha
     first = capture.forward(samples)
     second = capture.forward([[7, 7]])
     # Each forward's batch files are unlinked once its rows are resolved...
-    assert list(directory.iterdir()) == []
+    assert list(directory.glob("*.rows")) == []
     # ...while the rows handed out stay readable until the shard writer drops them.
     for (aux, last), ids in zip(first + second, [*samples, [7, 7]], strict=True):
         expected = rows_for(ids, 4 * HIDDEN)
@@ -557,46 +560,89 @@ def _hook_output(rows: torch.Tensor) -> SimpleNamespace:
     )
 
 
-def test_only_the_first_tensor_parallel_rank_writes_all_return_the_same_pointers(
-    tmp_path, monkeypatch
-):
+def _as_worker(monkeypatch: pytest.MonkeyPatch, pid: int, label: str, attn_tp_rank: int) -> None:
+    """The hook's view of the process it runs in, as one SGLang worker of a layout."""
+    rank = handoff.WorkerRank(pid, label, attn_tp_rank)
+    monkeypatch.setattr(handoff.WorkerRank, "of_this_process", classmethod(lambda cls: rank))
+
+
+def test_only_the_first_rank_of_a_tensor_parallel_group_writes(tmp_path, monkeypatch):
+    tmp_path = tmp_path / "handoff"
+    tmp_path.mkdir()
     rows = rows_for([4, 5, 6], 4 * HIDDEN)
-    first, other = tmp_path / "rank0", tmp_path / "rank1"
-    first.mkdir()
-    other.mkdir()
     outputs = []
-    for directory, is_first in ((first, True), (other, False)):
-        monkeypatch.setattr(handoff, "_is_first_rank", lambda is_first=is_first: is_first)
-        hook = shared_rows_hook({"directory": str(directory)})
+    for pid, label, attn_tp_rank in ((101, "scheduler TP0", 0), (102, "scheduler TP1", 1)):
+        _as_worker(monkeypatch, pid, label, attn_tp_rank)
+        hook = shared_rows_hook({"directory": str(tmp_path)})
         output = _hook_output(rows)
         hook(None, (), output)
         outputs.append(output)
-    assert [p.name for p in first.iterdir()] == ["00000000.rows"]
-    assert list(other.iterdir()) == []
-    assert torch.equal(outputs[0].hidden_states, outputs[1].hidden_states)
-    assert outputs[0].hidden_states.tolist() == [[0.0, 0.0], [0.0, 1.0], [0.0, 2.0]]
+    # TP1's rows are replicas of TP0's: written once, by TP0, under its pid.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "101-00000000.rows",
+        "101.rank.json",
+        "102.rank.json",
+    ]
+    assert outputs[0].hidden_states.tolist() == [[101, 0, 0], [101, 0, 1], [101, 0, 2]]
+    assert outputs[1].hidden_states.shape == outputs[0].hidden_states.shape
     assert outputs[0].last_hidden_states is None
+    reader = handoff.RowsReader(tmp_path, 4 * HIDDEN, torch.bfloat16)
+    assert torch.equal(reader.rows(outputs[0].hidden_states.tolist(), 3), rows)
+    assert reader.summary() == (
+        "scheduler TP0 (pid 101) wrote 1 batch, 3 rows; "
+        "scheduler TP1 (pid 102) holds replicas, wrote none"
+    )
+    with pytest.raises(SGLangCaptureError, match=r"scheduler TP1 \(pid 102\), a rank that"):
+        reader.rows(outputs[1].hidden_states.tolist(), 3)
+
+
+def test_data_parallel_attention_groups_each_write_their_own_batches(tmp_path, monkeypatch):
+    """With data-parallel attention every group computes other requests, numbering its
+    batches from 0: both write, and their pointers never mix."""
+    batches = {201: [[1, 2, 3], [4]], 202: [[7, 8], [9, 9, 9, 9]]}
+    pointers = {}
+    for pid, label in ((201, "scheduler DP0 TP0"), (202, "scheduler DP1 TP1")):
+        _as_worker(monkeypatch, pid, label, 0)
+        hook = shared_rows_hook({"directory": str(tmp_path)})
+        for n, ids in enumerate(batches[pid]):
+            output = _hook_output(rows_for(ids, 4 * HIDDEN))
+            hook(None, (), output)
+            pointers[pid, n] = output.hidden_states.tolist()
+    reader = handoff.RowsReader(tmp_path, 4 * HIDDEN, torch.bfloat16)
+    for (pid, n), p in pointers.items():
+        assert torch.equal(reader.rows(p, len(p)), rows_for(batches[pid][n], 4 * HIDDEN))
+    assert reader.summary() == (
+        "scheduler DP0 TP0 (pid 201) wrote 2 batches, 4 rows; "
+        "scheduler DP1 TP1 (pid 202) wrote 2 batches, 6 rows"
+    )
 
 
 def test_pointers_that_are_not_consecutive_rows_of_one_batch_are_refused(tmp_path):
     writer = handoff.RowsWriter(tmp_path)
     rows = rows_for([1, 2, 3, 4], 4 * HIDDEN)
     writer.put([rows[:, : 3 * HIDDEN], rows[:, 3 * HIDDEN :]])
+    me = float(os.getpid())
     reader = handoff.RowsReader(tmp_path, 4 * HIDDEN, torch.bfloat16)
     assert torch.equal(
-        reader.rows([[0.0, 1.0], [0.0, 2.0]], 2), rows_for([1, 2, 3, 4], 4 * HIDDEN)[1:3]
+        reader.rows([[me, 0.0, 1.0], [me, 0.0, 2.0]], 2), rows_for([1, 2, 3, 4], 4 * HIDDEN)[1:3]
     )
     with pytest.raises(SGLangCaptureError, match="not one forward batch's consecutive rows"):
-        reader.rows([[0.0, 0.0], [0.0, 2.0]], 2)
-    with pytest.raises(SGLangCaptureError, match=r"shape \[2, 2\] for a 3-token sample"):
-        reader.rows([[0.0, 0.0], [0.0, 1.0]], 3)
-    with pytest.raises(SGLangCaptureError, match="batch 0 holds 4 rows"):
-        reader.rows([[0.0, 3.0], [0.0, 4.0]], 2)
-    with pytest.raises(SGLangCaptureError, match=r"batch 1, but .* does not exist"):
-        reader.rows([[1.0, 0.0]], 1)
+        reader.rows([[me, 0.0, 0.0], [me, 0.0, 2.0]], 2)
+    with pytest.raises(SGLangCaptureError, match="not one forward batch's consecutive rows"):
+        reader.rows([[me, 0.0, 0.0], [me + 1, 0.0, 1.0]], 2)
+    with pytest.raises(SGLangCaptureError, match=r"shape \[2, 3\] for a 3-token sample"):
+        reader.rows([[me, 0.0, 0.0], [me, 0.0, 1.0]], 3)
+    with pytest.raises(SGLangCaptureError, match=r"batch 0 of worker .* holds 4 rows"):
+        reader.rows([[me, 0.0, 3.0], [me, 0.0, 4.0]], 2)
+    with pytest.raises(
+        SGLangCaptureError, match=r"batch 1 of worker pid .*, but .* does not exist"
+    ):
+        reader.rows([[me, 1.0, 0.0]], 1)
+    with pytest.raises(SGLangCaptureError, match=r"pid 7, which never ran the capture hook"):
+        reader.rows([[7.0, 0.0, 0.0]], 1)
     wrong_width = handoff.RowsReader(tmp_path, 3 * HIDDEN, torch.bfloat16)
     with pytest.raises(SGLangCaptureError, match="not whole rows of 24"):
-        wrong_width.rows([[0.0, 0.0]], 1)
+        wrong_width.rows([[me, 0.0, 0.0]], 1)
 
 
 def _hook_in_a_worker(directory: str, batches: list[list[int]], pointers_out: Any) -> None:

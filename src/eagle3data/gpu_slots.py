@@ -124,6 +124,15 @@ def machine_gpu_count(config: Mapping[str, Any]) -> int:
     return detect_gpu_count() if count == "auto" else int(count)
 
 
+def sglang_gpus(options: Mapping[str, Any]) -> int:
+    """GPUs of one SGLang engine: ``tp_size`` per replica, ``dp_size`` replicas, except
+    that data-parallel attention splits attention inside the ``tp_size`` GPUs."""
+    tp = int(options.get("tp_size", 1))
+    if options.get("enable_dp_attention", False):
+        return tp
+    return tp * int(options.get("dp_size", 1))
+
+
 def job_gpus(config: Mapping[str, Any], stage: str) -> int:
     """The ``gpu`` resource of a ``generation`` or ``hidden_states`` job."""
     section = config[stage]
@@ -133,7 +142,7 @@ def job_gpus(config: Mapping[str, Any], stage: str) -> int:
     if stage == "hidden_states" and backend == "sglang":
         # SGLang's CPU engine (device cpu: Xeon AMX servers, the test suite) takes no GPU.
         on_cpu = device.startswith("cpu")
-        backend_gpus = 0 if on_cpu else int((section.get("sglang") or {}).get("tp_size", 1))
+        backend_gpus = 0 if on_cpu else sglang_gpus(section.get("sglang") or {})
     setting = section.get("gpus_per_job", "auto")
     gpus = resolve_gpus_per_job(
         setting,
@@ -144,8 +153,9 @@ def job_gpus(config: Mapping[str, Any], stage: str) -> int:
     )
     if backend_gpus is not None and gpus < backend_gpus:
         raise ValueError(
-            f"{stage}.gpus_per_job={gpus} is less than {stage}.sglang.tp_size={backend_gpus}: "
-            f"each tensor-parallel rank needs a GPU of its own"
+            f"{stage}.gpus_per_job={gpus} is less than the {backend_gpus} GPUs of "
+            f"{stage}.sglang's layout (tp_size, times dp_size without enable_dp_attention): "
+            f"each rank needs a GPU of its own"
         )
     return gpus
 

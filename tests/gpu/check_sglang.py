@@ -446,7 +446,7 @@ def make_kimi_samples(model_dir: Path) -> list[list[int]]:
 def capture_sglang(
     model_dir: Path,
     samples,
-    tp: int,
+    parallel: dict[str, Any],
     aux_layers,
     *,
     handoff: str,
@@ -463,7 +463,7 @@ def capture_sglang(
         aux_layers=aux_layers,
         dtype="bfloat16",
         options={
-            "tp_size": tp,
+            **parallel,
             "mem_fraction_static": 0.5,
             "handoff": handoff,
             "extra_args": extra_args or {},
@@ -472,6 +472,9 @@ def capture_sglang(
     )
     try:
         states = [(a.clone(), b.clone()) for a, b in capture.forward(samples)]
+        if capture.reader is not None:
+            # Which ranks wrote the rows (the first of each attention tensor-parallel group).
+            print(f"hand-off: {capture.reader.summary()}")
         rates = measure_speed(capture, speed) if speed is not None else None
         return states, capture.aux.layer_ids, capture.engine_kwargs, rates
     finally:
@@ -674,7 +677,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "sgl_kernel stand-in (tests/support/sglang_cpu.py), transformers on the CPU; "
         "no speed check",
     )
-    parser.add_argument("--tp", type=int, default=1, help="sglang tensor-parallel size")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE), within --tp")
+    parser.add_argument(
+        "--dp-attention",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel attention in N groups within --tp (SGLang's --dp N "
+        "--enable-dp-attention; MLA models such as Kimi); 1 = off",
+    )
     parser.add_argument("--layers", type=int, help="decoder layers (default 8)")
     parser.add_argument("--hidden", type=int, help="width (default: llama 256, kimi 1024)")
     parser.add_argument("--heads", type=int, default=8, help="kimi: attention heads")
@@ -725,6 +737,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def parallel_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``hidden_states.sglang`` keys of the layout on the command line."""
+    return {
+        "tp_size": args.tp,
+        "ep_size": args.ep,
+        "dp_size": args.dp_attention,
+        "enable_dp_attention": args.dp_attention > 1,
+    }
+
+
 def resolve_aux(args: argparse.Namespace, architectures: list[str]):
     """The aux layers for the depth and the ids SGLang will be asked for (fails early)."""
     from eagle3data.hidden_states.layers import resolve_aux_layers
@@ -740,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         from support.sglang_cpu import use_sglang_cpu
 
-        use_sglang_cpu()  # before sglang is imported: its platform is chosen at import
+        use_sglang_cpu(ranks=args.tp)  # before sglang is imported: its platform is chosen at import
     if not args.cpu_dry_run:
         problem = sglang_problem(args.device)
         if problem:
@@ -794,7 +816,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         t2 = time.perf_counter()
         print(
-            f"model: {described}; samples of {[len(s) for s in samples]} tokens; tp={args.tp}; "
+            f"model: {described}; samples of {[len(s) for s in samples]} tokens; "
+            f"layout tp={args.tp} ep={args.ep} dp_attention={args.dp_attention}; "
             f"aux layer outputs {list(aux.layer_ids)} (sglang ids {sglang_ids}); "
             f"built in {t1 - t0:.1f}s, tokenized in {t2 - t1:.1f}s"
         )
@@ -824,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
             got, got_layers, engine_kwargs, rates = capture_sglang(
                 model_dir,
                 samples,
-                args.tp,
+                parallel_options(args),
                 aux_spec,
                 handoff=args.handoff,
                 trust_remote_code=kimi,

@@ -58,24 +58,42 @@ def sglang_problem() -> str | None:
     return None
 
 
-def sglang_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+def sglang_env(base: Mapping[str, str] | None = None, *, ranks: int = 1) -> dict[str, str]:
     """``base`` (default: this process's environment) with SGLang's CPU platform chosen
-    and the ``sgl_kernel`` stand-in first on ``PYTHONPATH``."""
+    and the ``sgl_kernel`` stand-in first on ``PYTHONPATH``, for an engine of ``ranks``
+    worker processes (tp_size x dp_size without data-parallel attention, else tp_size)."""
     env = dict(os.environ if base is None else base)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
+    # SGLang's PyNccl loads libnccl.so.2 whenever it can, and then insists on a CUDA device
+    # ("Expected a cuda device, but got: cpu" as the first TP group forms). A CPU machine
+    # has no NCCL; the test environment's torch is the registry's CUDA build, which brings
+    # one. A path that does not exist gives SGLang the CPU machine's view: no NCCL, ranks
+    # all-reduce over gloo.
+    env["SGLANG_NCCL_SO_PATH"] = str(SITE_DIR / "no-nccl-on-a-cpu-machine")
+    if ranks > 1:
+        # SGLang pins each rank's OpenMP threads to a NUMA node unless told which cores
+        # each rank takes, and refuses more ranks than NUMA nodes (one here): share the cores.
+        cores = sorted(os.sched_getaffinity(0))
+        groups = [cores[i::ranks] or cores for i in range(ranks)]
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, group)) for group in groups)
+    else:
+        env.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), *(p for p in paths if p != str(SITE_DIR))])
     return env
 
 
-def use_sglang_cpu() -> None:
+def use_sglang_cpu(ranks: int = 1) -> None:
     """Set :func:`sglang_env` in this process (before ``import sglang``): for an
     in-process engine and every worker it spawns (new interpreters, which run the
     directory's ``sitecustomize`` at start-up); this one runs it now."""
     import importlib.util
     import sys
 
-    os.environ.update(sglang_env())
+    env = sglang_env(ranks=ranks)
+    os.environ.update(env)
+    if "SGLANG_CPU_OMP_THREADS_BIND" not in env:
+        os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
     if str(SITE_DIR) not in sys.path:
         sys.path.insert(0, str(SITE_DIR))
     name = "eagle3data_tests_sglang_cpu_site"

@@ -254,8 +254,15 @@ def test_job_gpus_from_config():
     assert job_gpus(config, "generation") == 0
     assert job_gpus(config, "hidden_states") == 4
     config["hidden_states"]["gpus_per_job"] = 2
-    with pytest.raises(ValueError, match=r"less than hidden_states\.sglang\.tp_size=4"):
+    with pytest.raises(ValueError, match=r"less than the 4 GPUs of hidden_states\.sglang"):
         job_gpus(config, "hidden_states")
+    config["hidden_states"]["gpus_per_job"] = "auto"
+    # Kimi-K2.5's high-throughput layout: attention in 8 groups inside the 8 GPUs.
+    config["hidden_states"]["sglang"] = {"tp_size": 8, "dp_size": 8, "enable_dp_attention": True}
+    assert job_gpus(config, "hidden_states") == 8
+    # Without data-parallel attention, dp_size replicas of tp_size GPUs each.
+    config["hidden_states"]["sglang"] = {"tp_size": 2, "dp_size": 4}
+    assert job_gpus(config, "hidden_states") == 8
     config["hidden_states"].update(device="cpu", gpus_per_job="auto")
     assert job_gpus(config, "hidden_states") == 0  # SGLang's CPU engine
     config["hidden_states"].update(backend="transformers", device="auto")

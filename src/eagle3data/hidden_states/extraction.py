@@ -170,21 +170,28 @@ def extract_shard(
         )
 
     # Streams: each batch's rows are written at their offsets as the batch finishes.
-    with ShardWriter(
-        out_shard,
-        hidden_size=extractor.hidden_size,
-        hidden_dtype=dtype,
-        attrs=attrs,
-        compression=hidden_cfg.get("compression", "none"),
-        storage_dtype=storage_dtype(hidden_cfg),
-    ) as writer:
-        extract_into_shard(
-            extractor,
-            writer,
-            ids,
-            input_ids,
-            masks,
-            batch_tokens=hidden_cfg["batch_tokens"],
-            on_batch=progress,
-        )
+    try:
+        with ShardWriter(
+            out_shard,
+            hidden_size=extractor.hidden_size,
+            hidden_dtype=dtype,
+            attrs=attrs,
+            compression=hidden_cfg.get("compression", "none"),
+            storage_dtype=storage_dtype(hidden_cfg),
+        ) as writer:
+            extract_into_shard(
+                extractor,
+                writer,
+                ids,
+                input_ids,
+                masks,
+                batch_tokens=hidden_cfg["batch_tokens"],
+                on_batch=progress,
+            )
+    finally:
+        # An engine backend stops its workers and frees what they hold here, while the
+        # job's log still takes its lines (not at interpreter exit).
+        close = getattr(extractor, "close", None)
+        if close is not None:
+            close()
     log.info("%s shard %d: wrote %d conversations to %s", dataset, shard, len(ids), out_shard)

@@ -14,7 +14,7 @@ every worker) joins them into ``[P, 3H + H]`` rows per request, and then, by
 ``hidden_states.sglang.handoff``:
 
 * ``shared_memory`` (default): the hook copies the forward batch's rows into shared
-  memory and SGLang returns only a ``[P, 2]`` pointer per request (:mod:`.handoff`):
+  memory and SGLang returns only a ``[P, 3]`` pointer per request (:mod:`.handoff`):
   the states stay tensors from the GPU to the shard writer;
 * ``lists``: SGLang returns the rows themselves, as Python float lists through its
   scheduler and tokenizer manager (~120 tokens/s of host work at Kimi's width; kept as
@@ -36,7 +36,9 @@ import gc
 import logging
 import os
 import shutil
+import signal
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -47,6 +49,8 @@ from ..errors import SGLangCaptureError
 from ..target import check_remote_code
 from ..torch_utils import TORCH_DTYPES
 from . import handoff
+from .engine_processes import EngineWatch, descendants, process_keys, shm_files
+from .engine_reaper import Reaper
 from .layers import AuxLayers, resolve_aux_layers
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,8 @@ HANDOFFS = ("shared_memory", "lists")
 DEFAULT_OPTIONS: dict[str, Any] = {
     "tp_size": 1,
     "ep_size": 1,
+    "dp_size": 1,
+    "enable_dp_attention": False,
     "mem_fraction_static": 0.8,
     "handoff": "shared_memory",
     "handoff_dir": "auto",
@@ -126,6 +132,8 @@ def engine_kwargs(
         "dtype": dtype,
         "tp_size": int(opts["tp_size"]),
         "ep_size": int(opts["ep_size"]),
+        "dp_size": int(opts["dp_size"]),
+        "enable_dp_attention": bool(opts["enable_dp_attention"]),
         "mem_fraction_static": float(opts["mem_fraction_static"]),
         # model.trust_remote_code: SGLang loads the tokenizer and config as we do.
         "trust_remote_code": bool(trust_remote_code),
@@ -182,7 +190,7 @@ def append_last_hidden_states_hook(_config: Mapping[str, Any]) -> Callable[..., 
 def shared_rows_hook(config: Mapping[str, Any]) -> Callable[..., None]:
     """Forward-hook factory of the shared-memory hand-off (:mod:`.handoff`): the joined
     ``[aux | last]`` rows go to a file in ``config["directory"]`` and SGLang returns
-    their ``[T, 2]`` pointers instead."""
+    their ``[T, 3]`` pointers instead."""
     writer = handoff.RowsWriter(config["directory"])
 
     def hook(_module: Any, _inputs: Any, output: Any) -> None:
@@ -278,22 +286,63 @@ def start_engine(kwargs: Mapping[str, Any]) -> Any:
             "install the gpu extra: pip install -e '.[gpu]' -c constraints/gpu.txt"
         ) from exc
     with workers_write_to_job_log():
-        return sglang.Engine(**{"custom_sigquit_handler": worker_failed, **kwargs})
+        engine = sglang.Engine(**{"custom_sigquit_handler": worker_failed, **kwargs})
+    keep_job_signal_handlers(engine)
+    return engine
+
+
+def keep_job_signal_handlers(engine: Any) -> None:
+    """Give SIGTERM and SIGQUIT back to the job once the engine is up.
+
+    SGLang's tokenizer manager moves both into its asyncio loop on the engine's first
+    request (``loop.add_signal_handler``, sglang 0.5.23), with handlers made for a server:
+    SIGTERM then waits for the requests in flight and SIGKILLs the whole process tree, and
+    a worker's failure (SIGQUIT) SIGKILLs it at once, this job included: the job died with
+    no line in its log, its hand-off and SGLang's shared memory left behind (seen on
+    SGLang's CPU engine: a rank that failed in the middle of a shard). Between requests
+    neither signal was handled at all. So the loop is created now, its two handlers are
+    removed, and the job's own (:func:`worker_failed`, the job's stop on SIGTERM) return.
+    """
+    manager = getattr(engine, "tokenizer_manager", None)
+    loop = getattr(engine, "loop", None)
+    if not hasattr(manager, "auto_create_handle_loop") or loop is None:
+        return
+    own = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGQUIT)}
+
+    async def create_in_the_engines_loop() -> None:
+        # Outside a running loop the manager would make a loop of its own that the
+        # engine never runs, and every request would wait forever (seen).
+        manager.auto_create_handle_loop()
+
+    loop.run_until_complete(create_in_the_engines_loop())
+    for sig, handler in own.items():
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+# The engine's processes once it started, for worker_failed: a job runs one engine.
+_engine_watch: EngineWatch | None = None
 
 
 def worker_failed(_signum: int, _frame: Any) -> None:
-    """SIGQUIT handler of the engine's process (``custom_sigquit_handler``).
+    """SIGQUIT handler of the engine's process (``custom_sigquit_handler``, and again
+    once the engine runs: :func:`keep_job_signal_handlers`).
 
-    SGLang's workers send SIGQUIT to the engine's process when one of them fails, and
-    SGLang's own handler then SIGKILLs the whole process tree, this job included: the job
-    died with no line in its log (seen with sglang 0.5.23: a scheduler that could not build
-    the model). This one stops the other workers the same way, then fails the job with a
-    line that points at the worker's traceback."""
+    SGLang's workers, and its watchdog of them, send SIGQUIT to the engine's process when
+    a worker fails or dies, and SGLang's own handler then SIGKILLs the whole process tree,
+    this job included: the job died with no line in its log (seen with sglang 0.5.23).
+    This one names the worker that ended and how (:class:`EngineWatch`), stops the other
+    workers the same way, and fails the job with that line. Later SIGQUITs of the same
+    collapse (every rank notices) are ignored."""
     from sglang.srt.utils import kill_process_tree
 
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+    watch = _engine_watch or EngineWatch(_before_engine)
+    failure = watch.failure()
     kill_process_tree(os.getpid(), include_parent=False)
     raise SGLangCaptureError(
-        "an SGLang worker process failed (its traceback is above in this job's log)"
+        f"{failure}; the capture stopped, this shard's partial file is discarded, and the "
+        f"same command redoes the shard"
     )
 
 
@@ -378,11 +427,19 @@ class SGLangCapture:
         self.dtype: torch.dtype = TORCH_DTYPES[dtype_name]
         self.engine: Any = None
         self.reader: handoff.RowsReader | None = None
-        # The engine's worker processes and the hand-off memory must not outlive the job.
-        atexit.register(self.close)
+        self._reaper: Reaper | None = None
+        self._watch: EngineWatch | None = None
+        self._reported_at = 0.0
+        self._report_after_batch = True  # workers map some shared memory at their first batch
+        # The engine's worker processes and the hand-off memory must not outlive the job
+        # (at exit the logging streams may be gone: no summary then).
+        atexit.register(self.close, summary=False)
+        # First, so that whatever follows is cleaned up even after a kill -9 of this job.
+        self._reaper = Reaper(job_log_path())
         if opts["handoff"] == "shared_memory":
             directory = handoff.make_dir(opts["handoff_dir"])
             self.reader = handoff.RowsReader(directory, 4 * self.hidden_size, self.dtype)
+            self._reaper.watch(dirs=[str(directory)])
             if batch_tokens:
                 # One batch being written to the shard while the next one arrives.
                 need = 2 * handoff.rows_nbytes(batch_tokens, 4 * self.hidden_size, self.dtype)
@@ -397,19 +454,40 @@ class SGLangCapture:
             device=device,
         )
         log.info(
-            "starting sglang capture engine: tp_size=%d ep_size=%d aux layer outputs %s, "
-            "states handed over as %s",
+            "starting sglang capture engine: tp_size=%d ep_size=%d dp_size=%d%s, aux layer "
+            "outputs %s, states handed over as %s",
             self.engine_kwargs["tp_size"],
             self.engine_kwargs["ep_size"],
+            self.engine_kwargs["dp_size"],
+            " (data-parallel attention)" if self.engine_kwargs["enable_dp_attention"] else "",
             list(self.aux.layer_ids),
             opts["handoff"],
         )
+        global _before_engine, _engine_watch
+        _before_engine = process_keys(descendants(os.getpid()))
+        self._own_files = shm_files([os.getpid()])
         try:
             self.engine = engine_factory(self.engine_kwargs)
         except BaseException:
             self.close()
             drop_messaging_contexts()
             raise
+        self._watch = _engine_watch = EngineWatch(_before_engine)
+        self._report_to_reaper()
+
+    def _report_to_reaper(self) -> None:
+        """Tell the reaper which processes the engine runs and which shared memory they
+        (and this job, since the engine started) hold."""
+        if self._reaper is None or self._watch is None:
+            return
+        self._watch.refresh()
+        skip = () if self.reader is None else (f"{self.reader.directory}/",)
+        files = shm_files(self._watch.running_pids()) | (shm_files([os.getpid()]) - self._own_files)
+        self._reaper.watch(
+            workers=[(w.pid, w.started) for w in self._watch.workers],
+            files=[f for f in files if not f.startswith(skip)],
+        )
+        self._reported_at = time.monotonic()
 
     def _check_room(self, needed: int, what: str) -> None:
         if self.reader is not None:
@@ -433,6 +511,9 @@ class SGLangCapture:
             sampling_params={"max_new_tokens": 1, "temperature": 0.0},
             return_hidden_states=True,
         )
+        if self._report_after_batch or time.monotonic() - self._reported_at > _REPORT_INTERVAL_S:
+            self._report_to_reaper()
+            self._report_after_batch = False
         if len(outputs) != len(samples):
             raise SGLangCaptureError(
                 f"SGLang returned {len(outputs)} results for {len(samples)} samples"
@@ -446,11 +527,34 @@ class SGLangCapture:
             if self.reader is not None:
                 self.reader.release()
 
-    def close(self) -> None:
+    def close(self, *, summary: bool = True) -> None:
+        """Stop the engine and remove what it leaves: its processes, its shared memory and
+        the hand-off directory (:mod:`.engine_reaper`); log which ranks wrote the rows.
+        Safe to call more than once."""
         engine, self.engine = self.engine, None
+        if engine is not None:
+            self._report_to_reaper()
         shutdown = getattr(engine, "shutdown", None)
         if shutdown is not None:
             shutdown()
         reader, self.reader = self.reader, None
         if reader is not None:
+            if reader.writers and summary:
+                log.info("sglang hand-off: %s", reader.summary())
             shutil.rmtree(reader.directory, ignore_errors=True)
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None and not reaper.finish() and summary:
+            log.warning("the SGLang engine's clean-up did not answer in time")
+
+
+# Between reports of the engine's shared memory to the reaper (the first batch always).
+_REPORT_INTERVAL_S = 60.0
+_before_engine: set[tuple[int, int]] = set()
+
+
+def job_log_path() -> str | None:
+    """The job's log file (run_step's file handler), where the reaper writes its line."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return handler.baseFilename
+    return None

@@ -765,3 +765,60 @@ def make_qwen3_dir(out: Path, *, head_dim: int = 16) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+_LLAMA_HEAD_SCALE = 50.0
+
+
+def make_llama_dir(out: Path) -> Path:
+    """A tiny random Llama with the SmolLM2 ChatML tokenizer and a head that writes words.
+
+    Sized for tensor parallelism up to 2 (4 heads, 2 KV heads; SmolLM2-135M's 9 heads
+    divide by no tp_size above 1). Like the Kimi fixture's, the head lets only whole-word
+    tokens win, by a wide margin, so greedy picks are no near-ties that bf16 flips and the
+    validate job's agreement check means something on a random model. With only 26 words,
+    a plain scaled head repeats one word forever, which the one-token-shifted control then
+    predicts as well as the target: so word ``i``'s head row is word ``i - 1``'s embedding
+    (the residual stream of a random tiny model is mostly the input embedding), and greedy
+    text walks the words in a cycle.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from support.chat_tokenizers import smollm2
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = smollm2()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    words = sorted(
+        i
+        for t, i in tokenizer.get_vocab().items()
+        if t.startswith("Ġ") and t[1:].isalpha() and len(t) >= 4
+    )
+    embed = model.model.embed_tokens.weight
+    with torch.no_grad():
+        head = torch.zeros_like(model.lm_head.weight)
+        for i, word in enumerate(words):
+            previous = embed[words[i - 1]]
+            head[word] = _LLAMA_HEAD_SCALE * previous / previous.norm()
+        model.lm_head.weight.copy_(head)
+    model = model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

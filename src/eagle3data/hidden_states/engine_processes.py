@@ -135,9 +135,8 @@ def describe_end(status: int) -> str:
     if os.WIFSIGNALED(status):
         return f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
     code = os.WEXITSTATUS(status)
-    if code == 0:
-        return "ended after an error (its traceback is above in this job's log)"
-    return f"exited with code {code} (its traceback, if any, is above in this job's log)"
+    # A scheduler that hits an exception logs it, signals the job and returns: exit 0.
+    return "ended after an error" if code == 0 else f"exited with code {code}"
 
 
 def process_keys(workers: Iterable[Worker]) -> set[tuple[int, int]]:
@@ -200,5 +199,6 @@ class EngineWatch:
         # collective with it are its consequence.
         killed = [(w, e) for w, e in ended if e.startswith("was killed")]
         chosen = killed or ended
-        named = "; ".join(f"{w.name} (pid {w.pid}) {end}" for w, end in chosen)
-        return f"SGLang worker {named}"
+        named = ", ".join(f"{w.name} (pid {w.pid}) {end}" for w, end in chosen)
+        where = "" if killed else " (its traceback is above in this job's log)"
+        return f"SGLang worker {named}{where}"

@@ -30,6 +30,7 @@ sglang is imported only when an engine is started (the ``gpu`` extra installs it
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import gc
@@ -310,18 +311,22 @@ def keep_job_signal_handlers(engine: Any) -> None:
     own = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGQUIT)}
 
     async def create_in_the_engines_loop() -> None:
-        # Outside a running loop the manager would make a loop of its own that the
-        # engine never runs, and every request would wait forever (seen).
+        # Both inside the running loop: outside, the manager would make a loop of its own
+        # that the engine never runs (every request then waits forever), and uvloop (the
+        # engine's loop) removes a signal handler only while it runs (seen).
         manager.auto_create_handle_loop()
+        for sig in own:
+            loop.remove_signal_handler(sig)
 
     loop.run_until_complete(create_in_the_engines_loop())
     for sig, handler in own.items():
-        loop.remove_signal_handler(sig)
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 # The engine's processes once it started, for worker_failed: a job runs one engine.
 _engine_watch: EngineWatch | None = None
+# What worker_failed found, for a failure inside the engine's event loop (see there).
+_worker_failure: str | None = None
 
 
 def worker_failed(_signum: int, _frame: Any) -> None:
@@ -333,17 +338,27 @@ def worker_failed(_signum: int, _frame: Any) -> None:
     this job included: the job died with no line in its log (seen with sglang 0.5.23).
     This one names the worker that ended and how (:class:`EngineWatch`), stops the other
     workers the same way, and fails the job with that line. Later SIGQUITs of the same
-    collapse (every rank notices) are ignored."""
+    collapse (every rank notices) are ignored.
+
+    Inside a request the engine's event loop (uvloop) runs Python's signal handlers and
+    logs whatever they raise, but a KeyboardInterrupt, instead of raising it: there the
+    handler stops the loop, ``Engine.generate`` raises, and :meth:`SGLangCapture.forward`
+    raises the failure in its place."""
     from sglang.srt.utils import kill_process_tree
 
+    global _worker_failure
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
     watch = _engine_watch or EngineWatch(_before_engine)
-    failure = watch.failure()
-    kill_process_tree(os.getpid(), include_parent=False)
-    raise SGLangCaptureError(
-        f"{failure}; the capture stopped, this shard's partial file is discarded, and the "
-        f"same command redoes the shard"
+    _worker_failure = (
+        f"{watch.failure()}; the capture stopped, this shard's partial file is discarded, "
+        f"and the same command redoes the shard"
     )
+    kill_process_tree(os.getpid(), include_parent=False)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise SGLangCaptureError(_worker_failure) from None
+    loop.stop()
 
 
 @contextlib.contextmanager
@@ -506,11 +521,16 @@ class SGLangCapture:
                 handoff.rows_nbytes(tokens, 4 * self.hidden_size, self.dtype),
                 f"a batch of {tokens} tokens",
             )
-        outputs = self.engine.generate(
-            input_ids=[list(s) for s in samples],
-            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-            return_hidden_states=True,
-        )
+        try:
+            outputs = self.engine.generate(
+                input_ids=[list(s) for s in samples],
+                sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                return_hidden_states=True,
+            )
+        except Exception:
+            if _worker_failure is not None:  # worker_failed stopped the engine's loop
+                raise SGLangCaptureError(_worker_failure) from None
+            raise
         if self._report_after_batch or time.monotonic() - self._reported_at > _REPORT_INTERVAL_S:
             self._report_to_reaper()
             self._report_after_batch = False

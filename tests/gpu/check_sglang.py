@@ -175,7 +175,7 @@ def build_model(out: Path, *, layers: int, hidden: int) -> str:
     return source
 
 
-def make_samples(model_dir: Path) -> list[list[int]]:
+def make_samples(model_dir: Path, long_tokens: int = 1500) -> list[list[int]]:
     import torch
     from transformers import AutoTokenizer
 
@@ -191,7 +191,8 @@ def make_samples(model_dir: Path) -> list[list[int]]:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     gen = torch.Generator().manual_seed(1)
     vocab = len(tokenizer)
-    randoms = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (1, 7, 300, 1500)]
+    lengths = (1, 7, min(300, long_tokens), long_tokens)
+    randoms = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
     return [ids, *randoms]
 
 
@@ -386,11 +387,11 @@ def build_kimi_model(
     return text
 
 
-def make_kimi_samples(model_dir: Path) -> list[list[int]]:
+def make_kimi_samples(model_dir: Path, long_tokens: int = 1500) -> list[list[int]]:
     """Conversations in the K2.5 template, tokenized by Kimi's own (remote-code, slow)
-    tokenizer with ``encode(text)``: a short one, a multi-turn one with a system prompt, a
-    ~1.5k-token one (prefill), each ending in a thinking response, plus 1- and 7-token edge
-    cases of random ids."""
+    tokenizer with ``encode(text)``: a short one, a multi-turn one with a system prompt, one
+    of about ``long_tokens`` tokens (prefill), each ending in a thinking response, plus 1- and
+    7-token edge cases of random ids."""
     import torch
 
     from eagle3data.target import load_tokenizer as load_target_tokenizer
@@ -424,14 +425,14 @@ def make_kimi_samples(model_dir: Path) -> list[list[int]]:
         for i in range(1, 400)
     ]
     long_ids: list[int] = []
-    for n in range(10, len(steps), 5):  # grow the long sample to ~1.5k tokens
+    for n in range(1, len(steps)):  # grow the long sample to --long-tokens
         body = "\n".join(steps[:n])
         long_ids = render(
             [{"role": "user", "content": "Add these numbers step by step:\n" + body}],
             body[: len(body) // 2],
             "Done: the running total is checked at every step.",
         )
-        if len(long_ids) >= 1500:
+        if len(long_ids) >= long_tokens:
             break
     gen = torch.Generator().manual_seed(1)
     vocab = len(tokenizer)
@@ -702,6 +703,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--aux-layers", default="auto", help="'auto' or three comma-separated layer outputs"
     )
     parser.add_argument(
+        "--long-tokens",
+        type=int,
+        default=1500,
+        help="length of the longest sample (a prefill of a long conversation)",
+    )
+    parser.add_argument(
         "--handoff",
         choices=("shared_memory", "lists"),
         default="shared_memory",
@@ -797,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
                 weights=not args.dummy_weights,
             )
             t1 = time.perf_counter()
-            samples = make_kimi_samples(model_dir)
+            samples = make_kimi_samples(model_dir, args.long_tokens)
             described = (
                 f"shrunken Kimi-K2.5 ({architectures[0]}), "
                 f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, MLA "
@@ -809,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             source = build_model(model_dir, layers=args.layers, hidden=args.hidden)
             t1 = time.perf_counter()
-            samples = make_samples(model_dir)
+            samples = make_samples(model_dir, args.long_tokens)
             described = (
                 f"random Llama, {args.layers} layers, hidden {args.hidden}, bf16; "
                 f"tokenizer from {source}"

@@ -34,6 +34,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, ClassVar, Self, TypedDict
 
+from eagle3data.hidden_states.engine_processes import shm_files
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -324,8 +326,18 @@ class LocalServer:
         if proc is not None:
             atexit.unregister(self.stop)
             stopping = time.monotonic()
+            # What the server's processes hold in /dev/shm: SGLang's server leaves its load
+            # file and semaphores there (its workers die by SIGKILL, as the capture engine's,
+            # which the product's reaper cleans up); a test run must not pile them up.
+            held = shm_files(group_processes(proc.pid))
             self._stop_group(proc)
             self.stop_s = time.monotonic() - stopping
+            deadline = time.monotonic() + 30
+            while group_processes(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for path in held:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

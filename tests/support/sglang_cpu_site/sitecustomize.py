@@ -31,8 +31,8 @@ The change gives ``torch_native`` the same answer; the rest of data-parallel att
 (the groups' schedulers, their all-gathers on gloo, the idle batches) is SGLang's code.
 
 Each change is applied when its module is first imported, in every process of the
-engine: this directory is first on ``PYTHONPATH`` (``tests/support/sglang_cpu.py``), so Python imports
-this file at start-up. Production never sees it.
+engine: this directory is first on ``PYTHONPATH`` (``tests/support/sglang_cpu.py``), so
+Python imports this file at start-up. Production never sees it.
 """
 
 from __future__ import annotations

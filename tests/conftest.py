@@ -24,25 +24,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 8-layer Llama in bfloat16 with a ChatML tokenizer, saved locally."""
     import torch
     from support.chat_tokenizers import smollm2
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from support.target_models import tiny_llama
 
     out = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = smollm2()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = tiny_llama(tokenizer).to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

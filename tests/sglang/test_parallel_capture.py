@@ -326,16 +326,26 @@ def shm_baseline() -> set[str]:
 # --- targets -------------------------------------------------------------------------------
 
 
+def captured_at_one_and_two_ranks(
+    target: Target, *more: tuple[str, str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The rounds every target goes through (tp 1; tp 2 with both hand-offs), then ``more``
+    as (key, name, layout), the target itself under ``"target"``."""
+    rounds: dict[str, Any] = {"target": target, "tp1": target.capture("tp 1", TP1)}
+    rounds["tp2"] = target.capture("tp 2", TP2)
+    rounds["tp2-lists"] = target.capture("tp 2, lists", TP2, "lists")
+    for key, name, layout in more:
+        rounds[key] = target.capture(name, layout)
+    return rounds
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("llama")
     model_dir = make_llama_dir(base / "tiny-llama")
-    target = Target(base, model_dir, llama_reference(model_dir), prompts=6, kimi=False)
-    rounds: dict[str, Any] = {"tp1": target.capture("tp 1", TP1)}
-    rounds["tp2"] = target.capture("tp 2", TP2)
-    rounds["tp2-lists"] = target.capture("tp 2, lists", TP2, "lists")
-    rounds["target"] = target
-    return rounds
+    return captured_at_one_and_two_ranks(
+        Target(base, model_dir, llama_reference(model_dir), prompts=6, kimi=False)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -344,27 +354,21 @@ def kimi(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     hidden_states indices (its other DeepSeek branch of the layer-id rule)."""
     base = tmp_path_factory.mktemp("kimi")
     model_dir = make_kimi_dir(base / "Kimi-K2.5-tiny", wrapper=False)
-    target = Target(
-        base, model_dir, kimi_reference(model_dir), prompts=6, kimi=True, aux_layers=[2, 3, 5]
+    return captured_at_one_and_two_ranks(
+        Target(
+            base, model_dir, kimi_reference(model_dir), prompts=6, kimi=True, aux_layers=[2, 3, 5]
+        )
     )
-    rounds: dict[str, Any] = {"tp1": target.capture("tp 1", TP1)}
-    rounds["tp2"] = target.capture("tp 2", TP2)
-    rounds["tp2-lists"] = target.capture("tp 2, lists", TP2, "lists")
-    rounds["target"] = target
-    return rounds
 
 
 @pytest.fixture(scope="module")
 def kimi_wrapper(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("kimi-wrapper")
     model_dir = make_kimi_dir(base / "Kimi-K2.5-tiny", wrapper=True)
-    target = Target(base, model_dir, kimi_reference(model_dir), prompts=10, kimi=True)
-    rounds: dict[str, Any] = {"tp1": target.capture("tp 1", TP1)}
-    rounds["tp2"] = target.capture("tp 2", TP2)
-    rounds["tp2-lists"] = target.capture("tp 2, lists", TP2, "lists")
-    rounds["dp-attention"] = target.capture("tp 2, data-parallel attention 2", DP_ATTENTION)
-    rounds["target"] = target
-    return rounds
+    return captured_at_one_and_two_ranks(
+        Target(base, model_dir, kimi_reference(model_dir), prompts=10, kimi=True),
+        ("dp-attention", "tp 2, data-parallel attention 2", DP_ATTENTION),
+    )
 
 
 def check_target(name: str, rounds: dict[str, Any], samples: int) -> None:

@@ -40,7 +40,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        LlamaForCausalLM,
+        PreTrainedTokenizerBase,
+    )
 
 KIMI_THINK_OPEN = "<think>"
 KIMI_THINK_CLOSE = "</think>"
@@ -767,28 +772,17 @@ def make_qwen3_dir(out: Path, *, head_dim: int = 16) -> Path:
     return out
 
 
-_LLAMA_HEAD_SCALE = 50.0
-
-
-def make_llama_dir(out: Path) -> Path:
-    """A tiny random Llama with the SmolLM2 ChatML tokenizer and a head that writes words.
-
-    Sized for tensor parallelism up to 2 (4 heads, 2 KV heads; SmolLM2-135M's 9 heads
-    divide by no tp_size above 1). Like the Kimi fixture's, the head lets only whole-word
-    tokens win, by a wide margin, so greedy picks are no near-ties that bf16 flips and the
-    validate job's agreement check means something on a random model. With only 26 words,
-    a plain scaled head repeats one word forever, which the one-token-shifted control then
-    predicts as well as the target: so word ``i``'s head row is word ``i - 1``'s embedding
-    (the residual stream of a random tiny model is mostly the input embedding), and greedy
-    text walks the words in a cycle.
-    """
+def tiny_llama(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 512,
+) -> LlamaForCausalLM:
+    """The suite's random 8-layer Llama (hidden 64; 4 heads and 2 KV heads, so tensor
+    parallel up to 2) for ``tokenizer``, seeded, in float32."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from support.chat_tokenizers import smollm2
-
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = smollm2()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -796,15 +790,37 @@ def make_llama_dir(out: Path) -> Path:
         num_hidden_layers=8,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+_LLAMA_HEAD_SCALE = 50.0
+
+
+def make_llama_dir(out: Path) -> Path:
+    """A tiny random Llama with the SmolLM2 ChatML tokenizer and a head that writes words.
+
+    :func:`tiny_llama`, untied (SmolLM2-135M's 9 heads divide by no tp_size above 1). Like
+    the Kimi fixture's, the head lets only whole-word tokens win, by a wide margin, so
+    greedy picks are no near-ties that bf16 flips and the validate job's agreement check
+    means something on a random model. With only 26 words, a plain scaled head repeats one
+    word forever, which the one-token-shifted control then predicts as well as the target:
+    so word ``i``'s head row is word ``i - 1``'s embedding (the residual stream of a random
+    tiny model is mostly the input embedding), and greedy text walks the words in a cycle.
+    """
+    import torch
+
+    from support.chat_tokenizers import smollm2
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = smollm2()
+    model = tiny_llama(tokenizer, tie_word_embeddings=False, max_position_embeddings=1024)
     words = sorted(
         i
         for t, i in tokenizer.get_vocab().items()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.target_models import make_kimi_dir, make_qwen3_dir, tiktoken_cache
+from support.target_models import make_kimi_dir, make_qwen3_dir, tiktoken_cache, tiny_llama
 
 pytest.importorskip("speculators", reason="the README's test command installs speculators")
 
@@ -52,23 +52,11 @@ def _randomize_final_norm(model_dir: Path, low: float = 0.2, high: float = 3.0) 
 
 
 def _llama_dir(out: Path) -> Path:
+    """The suite's tiny Llama, in float32."""
     from support.chat_tokenizers import smollm2
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = smollm2()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
+    tiny_llama(tokenizer).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 

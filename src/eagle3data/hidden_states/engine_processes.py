@@ -22,9 +22,9 @@ import signal
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
-PROC = Path("/proc")
+from .engine_reaper import PROC, stat_fields
+
 SHM = "/dev/shm/"
 
 
@@ -54,14 +54,10 @@ class _Stat:
 
 
 def _stat(pid: int) -> _Stat | None:
-    """Fields of ``/proc/<pid>/stat`` (proc(5)); None once the process is gone."""
-    try:
-        raw = (PROC / str(pid) / "stat").read_text()
-    except OSError:
+    """Fields of ``/proc/<pid>/stat``; None once the process is gone."""
+    fields = stat_fields(pid)
+    if fields is None:
         return None
-    # The command (field 2) is in parentheses and may hold spaces: split after it.
-    fields = raw[raw.rindex(")") + 2 :].split()
-    # fields[0] is field 3 (state); field N is fields[N - 3].
     exit_status = int(fields[52 - 3]) if len(fields) > 52 - 3 else 0
     return _Stat(fields[0], int(fields[1]), int(fields[22 - 3]), exit_status)
 

@@ -43,14 +43,20 @@ PROC = Path("/proc")
 KILL_WAIT_S = 10.0
 
 
-def _started(pid: int) -> int | None:
-    """``/proc/<pid>/stat`` field 22 (start time), None once the pid is gone or a zombie."""
+def stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` (proc(5)) after the command, so that field N is ``[N - 3]``
+    (the command, field 2, is in parentheses and may hold spaces); None once gone."""
     try:
         raw = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return None if fields[0] == "Z" else int(fields[22 - 3])
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def _started(pid: int) -> int | None:
+    """Field 22 (start time), None once the pid is gone or a zombie."""
+    fields = stat_fields(pid)
+    return None if fields is None or fields[0] == "Z" else int(fields[22 - 3])
 
 
 def kill_workers(workers: Iterable[tuple[int, int]]) -> int:

@@ -594,6 +594,12 @@ def test_only_the_first_rank_of_a_tensor_parallel_group_writes(tmp_path, monkeyp
     )
     with pytest.raises(SGLangCaptureError, match=r"scheduler TP1 \(pid 102\), a rank that"):
         reader.rows(outputs[1].hidden_states.tolist(), 3)
+    reader.release()
+    # Were a replica to write its rows too, the job would not take them silently.
+    (tmp_path / "102-00000001.rows").write_bytes(b"")
+    with pytest.raises(SGLangCaptureError, match=r"scheduler TP1 \(pid 102\) wrote rows"):
+        reader.release()
+    assert list(tmp_path.glob("*.rows")) == []
 
 
 def test_data_parallel_attention_groups_each_write_their_own_batches(tmp_path, monkeypatch):

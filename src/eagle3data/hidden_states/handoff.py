@@ -342,11 +342,23 @@ class RowsReader:
 
     def release(self) -> None:
         """Unlink every batch file: their memory returns once the rows' last view is gone
-        (the shard writer holds them until they are on disk)."""
+        (the shard writer holds them until they are on disk). A file of a rank that holds
+        replicas means rows were written twice: refused."""
         self._mapped.clear()
+        replicas = {rank.pid: rank for rank in self.workers() if not rank.writes}
+        twice = []
         for path in self.directory.glob("*.rows"):
+            writer = int(path.name.split("-", 1)[0])
+            if writer in replicas:
+                twice.append(replicas[writer])
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+        if twice:
+            rank = twice[0]
+            raise SGLangCaptureError(
+                f"{rank.label} (pid {rank.pid}) wrote rows that the first rank of its "
+                f"attention tensor-parallel group writes: every row must be written once"
+            )
 
 
 def rows_nbytes(tokens: int, width: int, dtype: torch.dtype) -> int:

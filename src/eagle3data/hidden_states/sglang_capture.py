@@ -300,9 +300,9 @@ def keep_job_signal_handlers(engine: Any) -> None:
     SIGTERM then waits for the requests in flight and SIGKILLs the whole process tree, and
     a worker's failure (SIGQUIT) SIGKILLs it at once, this job included: the job died with
     no line in its log, its hand-off and SGLang's shared memory left behind (seen on
-    SGLang's CPU engine: a rank that failed in the middle of a shard). Between requests
-    neither signal was handled at all. So the loop is created now, its two handlers are
-    removed, and the job's own (:func:`worker_failed`, the job's stop on SIGTERM) return.
+    SGLang's CPU engine: a rank that failed in the middle of a shard). So the loop is
+    created now, its two handlers are removed, and the job's own (:func:`worker_failed`,
+    the job's stop on SIGTERM) return.
     """
     manager = getattr(engine, "tokenizer_manager", None)
     loop = getattr(engine, "loop", None)

@@ -436,8 +436,13 @@ def check_budget_run(
     journaled beyond them is waste and the rest was cancelled in flight. Returns (the
     rows, how many were journaled, how many cancelled)."""
     rows, stats = wf.responses("A1"), wf.stats("A1")
-    assert [row["id"] for row in rows] == order[:2]
-    assert (stats["stop_reason"], stats["completion_tokens"]) == ("token_budget", 2 * max_tokens)
+    journaled = len(wf.journal_lines("A1"))
+    seen = f"rows {[row['id'] for row in rows]} of {order}, journaled {journaled}, stats {stats}"
+    assert [row["id"] for row in rows] == order[:2], seen
+    assert (stats["stop_reason"], stats["completion_tokens"]) == (
+        "token_budget",
+        2 * max_tokens,
+    ), seen
     for row in rows:
         user, answer = row["messages"]
         assert user["role"] == "user" and answer["role"] == "assistant"
@@ -450,12 +455,14 @@ def check_budget_run(
         assert row["usage"]["completion_tokens"] == max_tokens
     # (The servers run the requests in arrival order, which is nearly dispatch order: the
     # third answer is normally among the first they run.)
-    journaled = len(wf.journal_lines("A1"))
-    assert 3 <= journaled < BUDGET_PROMPTS
-    assert stats["generated_tokens_total"] == journaled * max_tokens
-    assert stats["waste_tokens"] == (journaled - 2) * max_tokens
-    [cancelled] = re.findall(r"A1: cancelled (\d+) requests in flight", job_log(wf, "A1"))
-    assert int(cancelled) == BUDGET_PROMPTS - journaled
+    assert 3 <= journaled < BUDGET_PROMPTS, seen
+    assert stats["generated_tokens_total"] == journaled * max_tokens, seen
+    assert stats["waste_tokens"] == (journaled - 2) * max_tokens, seen
+    log = job_log(wf, "A1")
+    [cancelled] = re.findall(r"A1: cancelled (\d+) requests in flight", log) or [None]
+    assert cancelled is not None and int(cancelled) == BUDGET_PROMPTS - journaled, (
+        f"{seen}\n{log[-3000:]}"
+    )
     return rows, journaled, int(cancelled)
 
 

@@ -737,7 +737,7 @@ def kimi_text_decoder(out: Path) -> DeepseekV3ForCausalLM:
     return model.eval()
 
 
-def make_qwen3_dir(out: Path, *, head_dim: int = 16) -> Path:
+def make_qwen3_dir(out: Path, *, head_dim: int = 16, layers: int = 8) -> Path:
     """A tiny random Qwen3 with the real Qwen3 thinking template (``enable_thinking``).
 
     ``head_dim``: 16 by default; vLLM's CPU attention runs only 32 and up (its
@@ -753,7 +753,7 @@ def make_qwen3_dir(out: Path, *, head_dim: int = 16) -> Path:
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=8,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=head_dim,

@@ -63,6 +63,16 @@ pytestmark = pytest.mark.e2e
 
 MAX_NUM_SEQS = 4  # requests the server decodes together; the rest wait
 
+# The budget test's own server. vLLM admits concurrent requests nearly, not exactly, in
+# arrival order (seen: 0, 1, 4, 6 first of 8), and the test needs the three it decides on
+# among the first admitted: 6 of 8 leaves room for swaps. And its answers must take seconds:
+# on a fast 2-core machine (an Intel one of this workplace) 8 layers decode 4 answers of 900
+# tokens in 3.7 s, and the job, sharing its core with vLLM's API server, took them in only
+# after every request had ended, so nothing was left to cancel (4 of 5 runs); 24 layers take
+# about 10 s.
+BUDGET_MAX_NUM_SEQS = 6
+BUDGET_LAYERS = 24
+
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -83,6 +93,16 @@ def server(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path) -> Iterato
         print(f"\nvLLM server ready in {running.startup_s:.0f} s (log: {log})")
         yield running
     print(f"\nvLLM server stopped in {running.stop_s:.1f} s, no process of it left")
+
+
+@pytest.fixture
+def budget_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    base = tmp_path_factory.mktemp("vllm-budget-server")
+    model = make_qwen3_dir(base / "deeper-qwen3", head_dim=HEAD_DIM, layers=BUDGET_LAYERS)
+    with VLLMServer(
+        model, log_path=base / "server.log", max_num_seqs=BUDGET_MAX_NUM_SEQS
+    ) as running:
+        yield running
 
 
 def log_on_failure(server: VLLMServer, offset: int) -> contextlib.AbstractContextManager[None]:
@@ -314,17 +334,20 @@ def test_what_the_server_sends(server: VLLMServer, tokenizer: Any, tmp_path: Pat
 
 
 def test_reasoning_budget_batching_and_cancelled_requests(
-    server: VLLMServer, qwen3_dir: Path, tokenizer: Any, tmp_path: Path
+    budget_server: VLLMServer, tokenizer: Any, tmp_path: Path
 ) -> None:
-    """Thinking on, 8 requests sent at once to a server that decodes 4 together, a budget
+    """Thinking on, 8 requests sent at once to a server that decodes 6 together, a budget
     of 2.5 answers: the first two fit and the third decides the prefix while the others
     decode or wait on the server; those must be aborted there, not run to their end."""
-    # Long answers: the 4 that wait start as soon as the first 4 end, and must still be
-    # decoding when the cancel reaches the server (a job starved by other work once took
-    # 3 s to cancel, and 4 answers of 512 tokens had ended by then). 900 tokens take 5-10 s.
+    # Long answers: the 2 that wait start as soon as the first answers end, and must still
+    # be decoding when the cancel reaches the server (a job starved by other work once took
+    # 3 s to cancel). 900 tokens of the 24-layer model take about 10 s.
     max_tokens = 900
     # Reasoning to parse: the model's greedy <think> forbidden.
-    wf, order = budget_workflow(tmp_path, qwen3_dir, server, max_tokens, thinking_fields(tokenizer))
+    server = budget_server
+    wf, order = budget_workflow(
+        tmp_path, server.model, server, max_tokens, thinking_fields(tokenizer)
+    )
     offset, before = server.log_offset(), server.finished_counts()
     with peak_running(server) as peak:
         wf.run("results/responses/A1.jsonl")
@@ -342,11 +365,18 @@ def test_reasoning_budget_batching_and_cancelled_requests(
         # not count them as "abort": the support module).
         seen = f"{log}, finished {finished}, journaled {journaled}, cancelled {cancelled}"
         assert len(log.received) == 8, seen
-        assert 2 <= peak[0] <= MAX_NUM_SEQS, peak
-        assert finished == {"length": journaled}, seen
-        assert len(log.aborted) == cancelled and set(log.aborted) <= set(log.received), seen
+        assert 2 <= peak[0] <= BUDGET_MAX_NUM_SEQS, peak
+        # Every request either ran to its end or was aborted; what we journaled ran to its
+        # end. A request of the decisive batch can end on the server in the same step as
+        # the answer that decided the budget, and reach us after it: cancelled here,
+        # finished there (seen on a fast machine: 6 finished, 3 journaled). The requests
+        # still decoding when the cancel came were aborted, at least one: those waiting.
+        ran = finished.get("length", 0)
+        assert set(finished) <= {"length"} and ran + len(log.aborted) == 8, seen
+        assert journaled <= ran, seen
+        assert 1 <= len(log.aborted) <= cancelled and set(log.aborted) <= set(log.received), seen
         assert server.in_engine() == 0
-    print(f"\n{peak[0]} decoded at once; cancelled {cancelled}, the server aborted them")
+    print(f"\n{peak[0]} decoded at once; cancelled {cancelled}, aborted {len(log.aborted)}")
 
 
 def test_thinking_off_gives_content_and_the_ids_of_each_turn(

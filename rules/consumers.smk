@@ -4,6 +4,7 @@
 rule export_specforge:
     input:
         manifest=rules.validate.output.manifest,
+        model=model_config_file(),
     output:
         directory=directory(layout.SPECFORGE),
     log:
@@ -13,6 +14,7 @@ rule export_specforge:
     params:
         work_dir=layout.SPECFORGE_WORK,
         dtype=lookup(dpath="export/dtype", within=config),
+        trust_remote_code=lookup(dpath="model/trust_remote_code", within=config),
     script:
         "../scripts/export_specforge.py"
 

@@ -13,7 +13,9 @@ run_step(
     export_specforge,
     dataset=snakemake.wildcards.dataset,
     shard_dir=str(Path(snakemake.input.manifest).parent),
+    model_path=str(Path(snakemake.input.model).parent),
     out_dir=snakemake.output.directory,
     work_dir=snakemake.params.work_dir,
     dtype=snakemake.params.dtype,
+    trust_remote_code=bool(snakemake.params.trust_remote_code),
 )

@@ -13,6 +13,16 @@ Each item is a dict: ``id`` and ``dataset`` (str), ``input_ids`` [L] long, ``los
 shards' forward dtype, ``hidden_dtype`` (bf16 shards give ``torch.bfloat16``, bit-exact;
 shards stored as float8 give the same dtype, dequantized by :mod:`eagle3data.shards`).
 
+``last_hidden_states`` is the final state the shards hold (``dataset.final_state``:
+``pre_norm`` or ``post_norm``, see :mod:`eagle3data.hidden_states.final_state`), or the one
+asked for::
+
+    HiddenStateDataset(dirs, final_state="post_norm", model="path/to/target")
+
+gives post-norm states from pre-norm shards, through the target's own final norm (exact
+for any norm class). Pre-norm states from post-norm shards are refused: that inverse does
+not exist.
+
 Shards are opened lazily, in the process that reads them: building the dataset opens
 no file when a ``manifest.json`` lists the shards, and a handle opened before a
 ``DataLoader`` forks its workers is never used by a worker (HDF5 handles do not
@@ -35,6 +45,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .errors import ShardFormatError
+from .hidden_states.final_state import FINAL_STATES, POST_NORM, PRE_NORM, FinalNorm, final_state_of
 from .layout import MANIFEST_NAME, SHARD_GLOB
 from .shards import Shard, open_shard
 
@@ -52,6 +63,7 @@ class ShardFile:
     path: Path
     dataset: str
     num_samples: int
+    final_state: str = POST_NORM  # what its last_hidden_states hold
 
 
 def find_shards(directory: str | os.PathLike[str]) -> list[ShardFile]:
@@ -68,8 +80,9 @@ def find_shards(directory: str | os.PathLike[str]) -> list[ShardFile]:
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         dataset = str(manifest.get("dataset", directory.name))
+        final_state = final_state_of(manifest.get("attrs") or {}, manifest_path)
         return [
-            ShardFile(directory / entry["file"], dataset, int(entry["samples"]))
+            ShardFile(directory / entry["file"], dataset, int(entry["samples"]), final_state)
             for entry in manifest["shards"]
         ]
     paths = sorted(directory.glob(SHARD_GLOB))
@@ -84,7 +97,8 @@ def find_shards(directory: str | os.PathLike[str]) -> list[ShardFile]:
         # Opened and closed here, before any worker exists; workers reopen their own.
         with open_shard(path) as shard:
             dataset = str(shard.attrs.get("dataset", directory.name))
-            shards.append(ShardFile(path, dataset, shard.num_samples))
+            final_state = final_state_of(shard.attrs, path)
+            shards.append(ShardFile(path, dataset, shard.num_samples, final_state))
     return shards
 
 
@@ -96,14 +110,26 @@ class HiddenStateDataset(Dataset[dict[str, Any]]):
         directories: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         *,
         max_open_shards: int = 8,
+        final_state: str | None = None,
+        model: str | os.PathLike[str] | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
+        """``final_state``: ``None`` (what the shards hold; they must agree),
+        ``"post_norm"`` (pre-norm shards go through the final norm of ``model``, the
+        target's directory) or ``"pre_norm"``."""
         if isinstance(directories, str | os.PathLike):
             directories = [directories]
         if not directories:
             raise ValueError("HiddenStateDataset needs at least one shard directory")
         if max_open_shards < 1:
             raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
+        if final_state is not None and final_state not in FINAL_STATES:
+            raise ValueError(f"final_state must be one of {list(FINAL_STATES)} or None")
         self.shards: list[ShardFile] = [s for d in directories for s in find_shards(d)]
+        self.final_state = self._check_final_state(final_state, model)
+        self._model = None if model is None else str(model)
+        self._trust_remote_code = trust_remote_code
+        self._norms: dict[torch.dtype, FinalNorm] = {}
         # ends[k] = conversations in shards 0..k; item i lives in the first shard with ends > i.
         self._ends: list[int] = []
         total = 0
@@ -137,8 +163,45 @@ class HiddenStateDataset(Dataset[dict[str, Any]]):
             "input_ids": torch.from_numpy(shard.input_ids[rows]).long(),
             "loss_mask": torch.from_numpy(shard.loss_mask[rows]).long(),
             "aux_hidden_states": shard.aux_hidden_states(rows, as_torch=True),
-            "last_hidden_states": shard.last_hidden_states(rows, as_torch=True),
+            "last_hidden_states": self._final(k, shard.last_hidden_states(rows, as_torch=True)),
         }
+
+    def _check_final_state(self, wanted: str | None, model: Any) -> str:
+        held = {s.final_state: s.path for s in self.shards}
+        if wanted is None:
+            if len(held) > 1:
+                raise ShardFormatError(
+                    f"{held[PRE_NORM]} holds pre-norm and {held[POST_NORM]} post-norm final "
+                    f"states: pass final_state= to read them as one"
+                )
+            return next(iter(held), POST_NORM)
+        if wanted == PRE_NORM and POST_NORM in held:
+            raise ShardFormatError(
+                f"{held[POST_NORM]} holds the post-norm final state; the pre-norm one cannot "
+                f"be recovered from it exactly (extract with hidden_states.final_state: "
+                f"pre_norm)"
+            )
+        if wanted == POST_NORM and PRE_NORM in held and model is None:
+            raise ValueError(
+                f"{held[PRE_NORM]} holds the pre-norm final state: pass model= (the target's "
+                f"directory) to get post-norm states through its own final norm"
+            )
+        return wanted
+
+    def _final(self, k: int, last: torch.Tensor) -> torch.Tensor:
+        """The shard's final state as this dataset serves it (see ``final_state``)."""
+        if self.shards[k].final_state == self.final_state:
+            return last
+        norm = self._norms.get(last.dtype)
+        if norm is None:
+            from .hidden_states.final_state import load_final_norm
+
+            assert self._model is not None  # _check_final_state
+            norm = load_final_norm(
+                self._model, dtype=last.dtype, trust_remote_code=self._trust_remote_code
+            )
+            self._norms[last.dtype] = norm
+        return norm(last)
 
     def close(self) -> None:
         """Close the shards this process opened (reopened on the next read)."""

@@ -9,7 +9,8 @@ SGLang's other DeepSeek branch of the layer-id rule) and the same decoder as K2.
 (the multimodal wrapper, Kimi's remote-code tokenizer). Each round is checked for:
 
 * states against a float32 transformers forward of the target (aux layers and the final
-  post-norm state, per token), one row per token, the manifest's agreement and control;
+  state, per token: pre-norm, the default, and post-norm in one round of the Llama), one
+  row per token, the manifest's agreement and control;
 * which ranks wrote the rows (the job log's hand-off line): at tp 2 the first rank only,
   with data-parallel attention the first rank of each group, every row exactly once;
 * at tp 2, the lists hand-off byte-identical to the shared-memory one, and the cosine to
@@ -79,6 +80,7 @@ class Round:
     layers: list[int]
     manifest: dict[str, Any]
     logs: str
+    final_state: str
 
 
 class Target:
@@ -121,8 +123,11 @@ class Target:
         self.reference = reference
         self.rounds = 0
 
-    def configure(self, layout: dict[str, Any], handoff: str) -> None:
+    def configure(
+        self, layout: dict[str, Any], handoff: str, final_state: str = "pre_norm"
+    ) -> None:
         hidden = self.wf.config["hidden_states"]
+        hidden["final_state"] = final_state
         hidden["sglang"] = {
             **layout,
             "handoff": handoff,
@@ -149,8 +154,14 @@ class Target:
         for log in self.wf.path(SHARD_LOG).glob("*.log"):
             log.unlink()
 
-    def capture(self, name: str, layout: dict[str, Any], handoff: str = "shared_memory") -> Round:
-        self.configure(layout, handoff)
+    def capture(
+        self,
+        name: str,
+        layout: dict[str, Any],
+        handoff: str = "shared_memory",
+        final_state: str = "pre_norm",
+    ) -> Round:
+        self.configure(layout, handoff, final_state)
         self.clear_logs()
         self.wf.run(*self.command(), timeout=1200)
         return self.collect(name)
@@ -159,11 +170,12 @@ class Target:
         return "".join(p.read_text() for p in sorted(self.wf.path(SHARD_LOG).glob("*.log")))
 
     def collect(self, name: str) -> Round:
-        shards, states, layers = {}, {}, []
+        shards, states, layers, final_state = {}, {}, [], ""
         for path in sorted(self.wf.path(RESULTS).glob("shard-*.h5")):
             shards[path.name] = path.read_bytes()
             with open_shard(path) as shard:
                 layers = [int(k) for k in shard.attrs["aux_layer_ids"]]
+                final_state = shard.attrs["final_state"]
                 for i in range(shard.num_samples):
                     s = shard.sample(i)
                     states[s["id"]] = (
@@ -172,7 +184,7 @@ class Target:
                         [int(t) for t in s["input_ids"]],
                     )
         manifest = json.loads(self.wf.path(MANIFEST).read_text())
-        return Round(name, shards, states, layers, manifest, self.logs())
+        return Round(name, shards, states, layers, manifest, self.logs(), final_state)
 
 
 def llama_reference(model_dir: Path) -> Callable[[], torch.nn.Module]:
@@ -202,12 +214,21 @@ def check_against_the_target(target: Target, rnd: Round) -> None:
     and a near tie can pick another expert for a single token (seen: one token of 758 at
     0.968, every other at 1.0000)."""
     model = target.reference()
+    seen: dict[str, torch.Tensor] = {}
+    # The final norm's input: the pre-norm state (output_hidden_states[-1] is its output).
+    model.model.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("pre", i[0]))
     for sample_id, (aux, last, ids) in rnd.states.items():
         assert aux.shape[0] == last.shape[0] == len(ids), f"{rnd.name} {sample_id}: rows"
         with torch.inference_mode():
             out = model(torch.tensor([ids]), output_hidden_states=True)
         want_aux = torch.cat([out.hidden_states[k + 1][0] for k in rnd.layers], -1)
-        for got, want in ((aux, want_aux), (last, out.hidden_states[-1][0])):
+        post = out.hidden_states[-1][0]
+        want_last = {"pre_norm": seen["pre"][0], "post_norm": post}[rnd.final_state]
+        for got, want in ((aux, want_aux), (last, want_last)):
+            # Cosines cannot tell the two final states apart where the norm's weight is 1
+            # (the fixtures'): their sizes can.
+            size = ((got - want).norm(dim=-1) / want.norm(dim=-1)).median().item()
+            assert size < 0.05, f"{rnd.name} {sample_id}: relative difference {size:.4f}"
             cos = cosines(got, want)
             assert cos.mean().item() > 0.999 and cos.min().item() > 0.9, (
                 f"{rnd.name} {sample_id}: cosine to the target mean {cos.mean():.5f} "
@@ -343,9 +364,11 @@ def captured_at_one_and_two_ranks(
 def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("llama")
     model_dir = make_llama_dir(base / "tiny-llama")
-    return captured_at_one_and_two_ranks(
+    rounds = captured_at_one_and_two_ranks(
         Target(base, model_dir, llama_reference(model_dir), prompts=6, kimi=False)
     )
+    rounds["tp2-post"] = rounds["target"].capture("tp 2, post-norm", TP2, final_state="post_norm")
+    return rounds
 
 
 @pytest.fixture(scope="module")
@@ -388,6 +411,26 @@ def check_target(name: str, rounds: dict[str, Any], samples: int) -> None:
 def test_llama_at_tp2_with_both_handoffs(llama: dict[str, Any]) -> None:
     check_target("llama", llama, samples=6)
     assert llama["tp1"].layers == [1, 3, 4]
+
+
+def test_llama_post_norm_capture_is_the_targets_norm_of_the_pre_norm_one(
+    llama: dict[str, Any],
+) -> None:
+    """final_state: post_norm takes the logits processor's input, the pre-norm default the
+    final norm's: the same aux bytes, and the target's own norm of one is the other."""
+    pre, post = llama["tp2"], llama["tp2-post"]
+    assert (pre.final_state, post.final_state) == ("pre_norm", "post_norm")
+    check_manifest(post, 6)
+    check_against_the_target(llama["target"], post)
+    norm = llama["target"].reference().model.norm
+    for key, (aux, last, _) in pre.states.items():
+        post_aux, post_last, _ = post.states[key]
+        assert torch.equal(aux, post_aux)
+        with torch.inference_mode():
+            normed = norm(last)
+        # bf16 rounding: SGLang's kernel normalizes the float32 sum before rounding it.
+        size = ((normed - post_last).norm(dim=-1) / post_last.norm(dim=-1)).max().item()
+        assert size < 0.02, f"{key}: relative difference {size:.4f}"
 
 
 def test_kimi_checkpoint_at_tp2_with_both_handoffs(kimi: dict[str, Any]) -> None:

@@ -838,3 +838,85 @@ def make_llama_dir(out: Path) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+# Final norms of three kinds, as the targets' own architectures build them.
+NORM_TARGETS = {
+    "rms": "LlamaForCausalLM",  # x * rsqrt(mean(x^2) + eps) * w: what speculators' teacher is
+    "gemma": "GemmaForCausalLM",  # x * rsqrt(mean(x^2) + eps) * (1 + w)
+    "layernorm": "StableLmForCausalLM",  # (x - mean) / std * w + b
+}
+
+
+def make_norm_target_dir(out: Path, norm: str) -> Path:
+    """A tiny random 8-layer target whose final norm is ``norm`` (a key of
+    :data:`NORM_TARGETS`), with the suite's SmolLM2 tokenizer, in float32. The final norm's
+    weight (and bias) are drawn far from their init (weights 0.2-3 with a fifth negative),
+    so a state put through the wrong norm, or none, is visibly wrong."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, StableLmConfig
+
+    from support.chat_tokenizers import smollm2
+
+    tokenizer = smollm2()
+    sizes = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+    configs = {
+        "rms": lambda: LlamaConfig(**sizes),
+        "gemma": lambda: GemmaConfig(head_dim=16, **sizes),
+        "layernorm": lambda: StableLmConfig(**sizes),
+    }
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(configs[norm]())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(1)
+    for key in ("model.norm.weight", "model.norm.bias"):
+        if key in tensors:
+            value = torch.empty(tensors[key].shape).uniform_(0.2, 3.0, generator=gen)
+            sign = torch.where(torch.rand(value.shape, generator=gen) < 0.2, -1.0, 1.0)
+            tensors[key] = (value * sign).to(tensors[key].dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
+def specforge_view(model_dir: Path, out: Path) -> Path:
+    """The model directory as SpecForge's ``TargetHead`` loads it: it wants a
+    ``*.index.json`` (a tied head is named with ``lm_head_key``)."""
+    from safetensors import safe_open
+
+    out.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (out / name).symlink_to(model_dir / name)
+    with safe_open(model_dir / "model.safetensors", framework="pt") as f:
+        weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return out
+
+
+def forward_with_pre_norm(model: Any, ids: list[int]) -> tuple[Any, Any]:
+    """``model``'s forward of one unpadded sample with ``output_hidden_states`` (whose last
+    entry is the post-norm state), and its final norm's input: the pre-norm state [T, H]."""
+    import torch
+
+    seen: dict[str, Any] = {}
+    norm = model.get_decoder().norm
+    handle = norm.register_forward_hook(lambda m, i, o: seen.__setitem__("pre", i[0]))
+    try:
+        with torch.inference_mode():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        handle.remove()
+    return out, seen["pre"][0]

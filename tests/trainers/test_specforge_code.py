@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from support.exported_run import DATASET, ExportedRun
+from support.target_models import specforge_view
 
 pytest.importorskip("specforge", reason="the README's test command installs specforge==0.2.0")
 
@@ -32,18 +32,6 @@ from specforge.runtime.data_plane.feature_store import LocalFeatureStore
 pytestmark = pytest.mark.e2e
 
 MAX_LEN = 2048
-
-
-def _specforge_view(model_dir: Path, out: Path) -> Path:
-    """The model directory as TargetHead loads it: SmolLM2's head is tied to its
-    embeddings (``model.lm_head_key``) and TargetHead wants a ``*.index.json``."""
-    out.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (out / name).symlink_to(model_dir / name)
-    with safe_open(model_dir / "model.safetensors", framework="pt") as f:
-        weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    return out
 
 
 def _samples(run: ExportedRun) -> list[dict[str, torch.Tensor]]:
@@ -76,7 +64,7 @@ def test_specforge_reads_the_export_and_its_teacher_agrees(
     assert batch["hidden_state"].dtype == batch["target"].dtype == torch.bfloat16
 
     head = TargetHead.from_pretrained(
-        str(_specforge_view(exported_run.model_dir, tmp_path / "model")),
+        str(specforge_view(exported_run.model_dir, tmp_path / "model")),
         lm_head_key="model.embed_tokens.weight",
     )
     agree = positions = 0
@@ -102,7 +90,7 @@ def test_specforge_reads_the_export_and_its_teacher_agrees(
 def test_specforge_cannot_take_a_float32_export(exported_run: ExportedRun, tmp_path: Path) -> None:
     """Why the export is bf16 by default: SpecForge's head is bf16 whatever it reads."""
     head = TargetHead.from_pretrained(
-        str(_specforge_view(exported_run.model_dir, tmp_path / "model")),
+        str(specforge_view(exported_run.model_dir, tmp_path / "model")),
         lm_head_key="model.embed_tokens.weight",
     )
     [first] = _samples(exported_run)[:1]

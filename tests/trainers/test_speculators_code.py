@@ -65,7 +65,11 @@ def test_the_post_norm_state_handed_over_as_is_is_caught(
 ) -> None:
     out = tmp_path / "speculators"
     info = _export(exported_run, out)
-    shards = HiddenStateDataset(exported_run.path(f"results/hidden_states/{DATASET}"))
+    shards = HiddenStateDataset(
+        exported_run.path(f"results/hidden_states/{DATASET}"),
+        final_state="post_norm",
+        model=exported_run.model_dir,
+    )
     post = {shards[j]["id"]: shards[j]["last_hidden_states"] for j in range(len(shards))}
     for i, row in enumerate(info["rows"]):
         path = out / "hidden_states" / f"hs_{i}.safetensors"

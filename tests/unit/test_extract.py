@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from support.target_models import forward_with_pre_norm
 
 from eagle3data.hidden_states.extraction import extract_into_shard, length_batches
 from eagle3data.hidden_states.layers import resolve_aux_layers
@@ -87,28 +88,48 @@ def test_streamed_shard_equals_the_whole_shard_written_at_the_end(tmp_path, extr
     assert check.ok, check.errors
 
 
-def test_streamed_states_equal_a_direct_forward(tmp_path, extractor):
+@pytest.fixture(scope="module")
+def post_norm_extractor(tiny_model_dir: Path) -> HiddenStateExtractor:
+    return HiddenStateExtractor(
+        str(tiny_model_dir), dtype="float32", device="cpu", final_state="post_norm"
+    )
+
+
+def test_streamed_states_equal_a_direct_forward(tmp_path, extractor, post_norm_extractor):
+    """Aux layers are output_hidden_states[k]; the final state is the last layer's output
+    (pre_norm, the default) or output_hidden_states[-1] (post_norm), each unpadded."""
     ids, tokens, masks = conversations(5, seed=1)
-    path = stream(tmp_path / "s.h5", extractor, ids, tokens, masks, batch_tokens=64)
+    pre_path = stream(tmp_path / "s.h5", extractor, ids, tokens, masks, batch_tokens=64)
+    post_path = stream(
+        tmp_path / "post.h5", post_norm_extractor, ids, tokens, masks, batch_tokens=64
+    )
     indices = extractor.aux.hidden_states_indices
-    with open_shard(path) as shard:
+    with open_shard(pre_path) as shard, open_shard(post_path) as post_shard:
         assert shard.sample_ids == ids
         for i, t in enumerate(tokens):
             with torch.inference_mode():
                 out = extractor.model(torch.tensor([t]), output_hidden_states=True)
             want_aux = torch.cat([out.hidden_states[k][0] for k in indices], dim=-1)
-            got = shard.sample(i)
+            got, post = shard.sample(i), post_shard.sample(i)
             assert got["input_ids"].tolist() == t
             assert got["loss_mask"].tolist() == masks[i]
             torch.testing.assert_close(
                 torch.from_numpy(got["aux_hidden_states"]), want_aux, rtol=1e-4, atol=1e-4
             )
+            np.testing.assert_array_equal(post["aux_hidden_states"], got["aux_hidden_states"])
             torch.testing.assert_close(
                 torch.from_numpy(got["last_hidden_states"]),
+                forward_with_pre_norm(extractor.model, t)[1],
+                rtol=1e-4,
+                atol=1e-4,
+            )
+            torch.testing.assert_close(
+                torch.from_numpy(post["last_hidden_states"]),
                 out.hidden_states[-1][0],
                 rtol=1e-4,
                 atol=1e-4,
             )
+            assert not np.allclose(got["last_hidden_states"], post["last_hidden_states"])
 
 
 @pytest.mark.parametrize("compression", ["lzf", "gzip"])

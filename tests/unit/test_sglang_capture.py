@@ -30,7 +30,9 @@ from eagle3data.hidden_states import handoff
 from eagle3data.hidden_states.backends import build_extractor
 from eagle3data.hidden_states.layers import AuxLayers, resolve_aux_layers
 from eagle3data.hidden_states.sglang_capture import (
+    FINAL_NORM_MODULES,
     HOOK_FACTORY,
+    PRE_NORM_HOOK_FACTORY,
     SHARED_HOOK_FACTORY,
     SGLangCapture,
     SGLangCaptureError,
@@ -55,15 +57,30 @@ def rows_for(ids: list[int], width: int) -> torch.Tensor:
     return ((tok * 0.5 + t * 0.25 - col * 0.125) / 8).to(torch.bfloat16)
 
 
-def run_hook(kwargs: dict[str, Any], aux: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """What sglang does with our ``forward_hooks`` spec around one forward batch:
-    ``hook_manager.register_forward_hooks`` resolves the factory and calls it with the
-    spec's config; the logits processor's output carries the batch's rows."""
-    (spec,) = kwargs["forward_hooks"]
-    module_name, attr = spec["hook_factory"].split(":")
-    hook = getattr(importlib.import_module(module_name), attr)(spec.get("config") or {})
-    output = SimpleNamespace(hidden_states=aux, last_hidden_states=last)
-    hook(None, (), output)
+def stand_in_norm(pre: torch.Tensor) -> torch.Tensor:
+    """The fake model's final norm: any function that changes the state will do."""
+    return (pre * 2 - 1).to(pre.dtype)
+
+
+def run_hook(kwargs: dict[str, Any], aux: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """What sglang does with our ``forward_hooks`` specs around one forward batch:
+    ``hook_manager.register_forward_hooks`` resolves each factory and calls it with the
+    spec's config. The final norm runs first, as SGLang's fused add-and-norm: called with
+    ``(x, residual)``, it overwrites ``x`` with the normed state and returns ``(normed,
+    x + residual)``; then the logits processor, whose output carries the batch's aux rows
+    and the post-norm rows."""
+    post = stand_in_norm(pre)
+    output = SimpleNamespace(hidden_states=aux, last_hidden_states=post)
+    by_module = {"norm": [], "logits": []}
+    for spec in kwargs["forward_hooks"]:
+        module_name, attr = spec["hook_factory"].split(":")
+        hook = getattr(importlib.import_module(module_name), attr)(spec.get("config") or {})
+        kind = "norm" if spec["target_modules"] == FINAL_NORM_MODULES else "logits"
+        by_module[kind].append(hook)
+    for hook in by_module["norm"]:
+        hook(None, (post.clone(), torch.zeros_like(pre)), (post.clone(), pre.clone()))
+    for hook in by_module["logits"]:
+        hook(None, (), output)
     return output.hidden_states
 
 
@@ -129,7 +146,10 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def make_capture(
-    model_dir: Path, options: dict[str, Any] | None = None, **kwargs: Any
+    model_dir: Path,
+    options: dict[str, Any] | None = None,
+    final_state: str = "pre_norm",
+    **kwargs: Any,
 ) -> tuple[SGLangCapture, list[FakeEngine]]:
     engines: list[FakeEngine] = []
 
@@ -137,7 +157,10 @@ def make_capture(
         engines.append(FakeEngine(engine_args, **kwargs))
         return engines[-1]
 
-    return SGLangCapture(str(model_dir), options=options, engine_factory=factory), engines
+    capture = SGLangCapture(
+        str(model_dir), options=options, engine_factory=factory, final_state=final_state
+    )
+    return capture, engines
 
 
 # --- layer ids ----------------------------------------------------------------------
@@ -194,9 +217,13 @@ def test_engine_kwargs_turn_off_what_would_shorten_the_rows():
     assert (kwargs["tp_size"], kwargs["ep_size"]) == (8, 8)
     assert (kwargs["dp_size"], kwargs["enable_dp_attention"]) == (1, False)
     assert kwargs["mem_fraction_static"] == 0.8
-    (hook,) = kwargs["forward_hooks"]
+    norm_hook, hook = kwargs["forward_hooks"]
     assert hook["hook_factory"] == HOOK_FACTORY
     assert hook["target_modules"] == ["logits_processor", "*.logits_processor"]
+    assert hook["config"] == {"final_state": "pre_norm"}
+    # The default final state is the norm's input: a hook on the final norm keeps it.
+    assert norm_hook["hook_factory"] == PRE_NORM_HOOK_FACTORY
+    assert norm_hook["target_modules"] == ["model.norm", "*.model.norm"]
 
 
 def test_extra_args_pass_through_but_cannot_undo_the_capture_settings():
@@ -354,6 +381,45 @@ def test_capture_has_the_extractor_interface(model_dir, handoff_root, handoff_na
     capture.close()  # again at exit: harmless
 
 
+@pytest.mark.parametrize("handoff_name", ["shared_memory", "lists"])
+def test_post_norm_capture_returns_what_the_logits_processor_holds(model_dir, handoff_name):
+    capture, (engine,) = make_capture(model_dir, {"handoff": handoff_name}, "post_norm")
+    assert capture.final_state == "post_norm"
+    (spec,) = engine.kwargs["forward_hooks"]  # no hook on the final norm
+    assert spec["config"]["final_state"] == "post_norm"
+    samples = [[3, 1, 4, 1, 5], [9, 2]]
+    for (aux, last), ids in zip(capture.forward(samples), samples, strict=True):
+        expected = rows_for(ids, 4 * HIDDEN)
+        assert torch.equal(aux, expected[:, : 3 * HIDDEN])
+        assert torch.equal(last, stand_in_norm(expected[:, 3 * HIDDEN :]))
+    capture.close()
+
+
+def test_an_idle_forward_hands_over_no_rows_and_leaves_nothing_behind():
+    """A data-parallel attention group with no request this step: SGLang skips the final
+    norm (no pre-norm rows) and the logits processor holds zero rows (seen on its CPU
+    engine at dp 2)."""
+    from eagle3data.hidden_states import sglang_capture
+
+    sglang_capture._pre_norm_rows[:] = [torch.ones(2, HIDDEN)]  # a stale one: dropped
+    idle = SimpleNamespace(
+        hidden_states=torch.zeros(0, 3 * HIDDEN), last_hidden_states=torch.zeros(0, HIDDEN)
+    )
+    aux, last = sglang_capture._captured_parts(idle, "pre_norm")
+    assert aux.shape == (0, 3 * HIDDEN) and last.shape == (0, HIDDEN)
+    assert sglang_capture._pre_norm_rows == []
+
+
+def test_a_pre_norm_capture_whose_norm_hook_never_ran_fails(model_dir):
+    """A model whose final norm is not at the names hooked: the worker raises rather than
+    hand over the post-norm state as pre-norm."""
+    capture, (engine,) = make_capture(model_dir, {"handoff": "lists"})
+    engine.kwargs["forward_hooks"] = engine.kwargs["forward_hooks"][1:]
+    with pytest.raises(SGLangCaptureError, match=r"final norm's input of this forward was not"):
+        capture.forward([[3, 1, 4]])
+    capture.close()
+
+
 def test_capture_raises_when_the_engine_computed_only_part_of_a_prompt(model_dir):
     capture, _ = make_capture(model_dir, drop_rows=2)
     with pytest.raises(SGLangCaptureError, match="3 hidden-state rows for a 5-token sample"):
@@ -462,9 +528,9 @@ def test_engine_kwargs_with_a_handoff_dir_register_the_shared_hook():
     kwargs = engine_kwargs(
         "/m", dtype="bfloat16", layer_ids=[1, 4, 6], options={}, handoff_dir="/d"
     )
-    (hook,) = kwargs["forward_hooks"]
+    _, hook = kwargs["forward_hooks"]
     assert hook["hook_factory"] == SHARED_HOOK_FACTORY
-    assert hook["config"] == {"directory": "/d"}
+    assert hook["config"] == {"directory": "/d", "final_state": "pre_norm"}
     # Our own options are not ServerArgs fields: sglang would reject them.
     assert "handoff" not in kwargs and "handoff_dir" not in kwargs
 
@@ -473,8 +539,8 @@ def test_capture_hands_states_over_as_views_that_outlive_the_files(model_dir, ha
     capture, (engine,) = make_capture(model_dir)
     (directory,) = handoff_root.iterdir()
     assert directory.name.startswith(f"{handoff.DIR_PREFIX}{os.getpid()}-")
-    (spec,) = engine.kwargs["forward_hooks"]
-    assert spec["config"] == {"directory": str(directory)}
+    _, spec = engine.kwargs["forward_hooks"]
+    assert spec["config"] == {"directory": str(directory), "final_state": "pre_norm"}
     samples = [[3, 1, 4], [9, 2, 6, 5]]
     first = capture.forward(samples)
     second = capture.forward([[7, 7]])

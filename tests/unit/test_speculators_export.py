@@ -30,6 +30,7 @@ from eagle3data.consumers import speculators as spec
 from eagle3data.consumers.vocab import draft_vocab
 from eagle3data.hidden_states import agreement
 from eagle3data.hidden_states.extraction import extract_into_shard
+from eagle3data.hidden_states.final_state import load_final_norm
 from eagle3data.hidden_states.transformers_capture import HiddenStateExtractor
 from eagle3data.loader import HiddenStateDataset
 from eagle3data.model_config import hidden_size, read_model_config
@@ -69,19 +70,29 @@ MODELS = {
 
 
 def _write_run(
-    base: Path, model_dir: Path, *, draft_size: int = 32, storage_dtype: str = "float32"
+    base: Path,
+    model_dir: Path,
+    *,
+    draft_size: int = 32,
+    storage_dtype: str = "float32",
+    final_state: str = "pre_norm",
 ) -> dict[str, Any]:
     """Greedy data of the model, extracted into shards, a manifest like the validate
     job's (agreement over every produced position), and a draft vocabulary."""
     trust = bool(remote_code_files(model_dir))  # the Kimi fixture's tokenizer
     with tiktoken_cache(""):
         extractor = HiddenStateExtractor(
-            str(model_dir), dtype="float32", device="cpu", trust_remote_code=trust
+            str(model_dir),
+            dtype="float32",
+            device="cpu",
+            trust_remote_code=trust,
+            final_state=final_state,
         )
     model = extractor.model
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     head = agreement.load_head(model_dir)
+    norm = load_final_norm(model_dir, trust_remote_code=trust)
     eot = agreement.end_of_turn_ids(model_dir)
     counts: Counter[int] = Counter()
     shard_dirs = []
@@ -110,7 +121,7 @@ def _write_run(
             attrs = {
                 "dataset": name,
                 "model": model_dir.name,
-                "final_state": "post_norm",
+                "final_state": final_state,
                 "max_seq_len": 64,
                 **extractor.aux.as_attrs(),
             }
@@ -123,7 +134,9 @@ def _write_run(
             ) as w:
                 extract_into_shard(extractor, w, sample_ids, ids, masks, batch_tokens=256)
             with open_shard(path) as shard:
-                stats = stats.combine(agreement.shard_agreement(shard, head, eot, None, seed=k))
+                stats = stats.combine(
+                    agreement.shard_agreement(shard, head, eot, None, seed=k, final_norm=norm)
+                )
                 attrs = dict(shard.attrs)
             entries.append({"file": path.name, "samples": n})
         manifest = {
@@ -141,17 +154,24 @@ def _write_run(
         "model": model_dir,
         "vocab": vocab_file,
         "trust": trust,
+        "final_state": final_state,
         "A1": shard_dirs[0],
         "B2": shard_dirs[1],
     }
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+# Shards hold the pre-norm state (the default); post-norm shards (older ones) are exported
+# through the norm's inverse.
+RUNS = [(model, "pre_norm") for model in MODELS] + [("llama", "post_norm")]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{m}-{s}" for m, s in RUNS])
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    base = tmp_path_factory.mktemp(f"spec-{request.param}")
-    model_dir = MODELS[request.param](base / "model")
+    model, final_state = request.param
+    base = tmp_path_factory.mktemp(f"spec-{model}-{final_state}")
+    model_dir = MODELS[model](base / "model")
     _randomize_final_norm(model_dir)
-    return _write_run(base, model_dir)
+    return _write_run(base, model_dir, final_state=final_state)
 
 
 def _export(run: dict, out: Path, **kwargs) -> None:
@@ -173,6 +193,7 @@ def _verify(run: dict, out: Path) -> dict:
         datasets=list(DATASETS),
         shard_dirs=[str(run[d]) for d in DATASETS],
         model_path=str(run["model"]),
+        trust_remote_code=run["trust"],
     )
 
 
@@ -216,6 +237,14 @@ def test_speculators_reads_the_export_and_its_teacher_agrees(run: dict, tmp_path
     assert torch.equal(d2t, torch.from_numpy(np.load(out / "d2t-32.npy")))
     assert torch.equal(t2d, torch.from_numpy(np.load(out / "t2d-32.npy")))
     assert _verify(run, out)["agreement"] == info["self_check"]["agreement"]
+    # Pre-norm shards: the exported final state is theirs, rounded once to bf16, no inverse.
+    if run["final_state"] == "pre_norm":
+        first = info["rows"][0]
+        data = HiddenStateDataset(run[first["dataset"]])
+        item = next(data[j] for j in range(len(data)) if data[j]["id"] == first["id"])
+        states = load_file(out / "hidden_states" / "hs_0.safetensors")["hidden_states"]
+        assert torch.equal(states[:, 3], item["last_hidden_states"].to(torch.bfloat16))
+        assert info["final_state"] == "pre_norm: the shards' pre-norm state"
 
 
 def _rewrite_states(out: Path, change) -> None:
@@ -231,7 +260,9 @@ def test_post_norm_state_handed_over_as_is_fails_loudly(run: dict, tmp_path: Pat
     info = json.loads((out / spec.EXPORT_JSON).read_text())
     posts = {}
     for d in DATASETS:
-        data = HiddenStateDataset(run[d])
+        data = HiddenStateDataset(
+            run[d], final_state="post_norm", model=run["model"], trust_remote_code=run["trust"]
+        )
         for j in range(len(data)):
             item = data[j]
             posts[(d, item["id"])] = item["last_hidden_states"]

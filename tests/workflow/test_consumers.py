@@ -15,6 +15,7 @@ from support.oracles import reference_ids
 from support.workflow import Workflow, alpaca_prompts, new_workflow, sharegpt_prompts, write_prompts
 
 from eagle3data.consumers.specforge import specforge_file_name
+from eagle3data.hidden_states.final_state import load_final_norm
 from eagle3data.shards import open_shard
 
 pytestmark = pytest.mark.e2e
@@ -78,7 +79,11 @@ def test_the_workflow_exports_when_enabled(tmp_path: Path, tiny_model_dir: Path)
                 assert raw["input_ids"].tolist() == shard.input_ids[rows].tolist()
                 assert raw["loss_mask"].tolist() == shard.loss_mask[rows].tolist()
                 assert raw["hidden_state"].dtype == torch.bfloat16
-                last = shard.last_hidden_states(rows, as_torch=True)
+                # The shards hold the pre-norm state (the default); SpecForge gets the
+                # target's own final norm of it, in the shards' dtype, bit for bit.
+                assert shard.attrs["final_state"] == "pre_norm"
+                pre = shard.last_hidden_states(rows, as_torch=True)
+                last = load_final_norm(tiny_model_dir, dtype=pre.dtype)(pre)
                 aux = shard.aux_hidden_states(rows, as_torch=True)
                 assert torch.equal(raw["hidden_state"][0].view(torch.int16), last.view(torch.int16))
                 assert torch.equal(

@@ -25,6 +25,7 @@ from support.engine_ids import engine_token_ids
 from support.target_models import (
     KIMI_END_OF_TURN,
     KIMI_THINK_CLOSE,
+    forward_with_pre_norm,
     kimi_text_decoder,
     make_kimi_dir,
     make_qwen3_dir,
@@ -230,14 +231,12 @@ def check_states(wf: Workflow, model_dir: Path, tokenized: pl.DataFrame) -> None
             for i in range(shard.num_samples):
                 s = shard.sample(i)
                 seen.append(s["id"])
-                ids = torch.tensor(s["input_ids"], dtype=torch.long)[None]
-                with torch.inference_mode():
-                    out = decoder(ids, output_hidden_states=True)
+                out, pre = forward_with_pre_norm(decoder, [int(t) for t in s["input_ids"]])
                 want_aux = torch.cat([out.hidden_states[k + 1][0] for k in layers], -1)
                 got_aux = torch.from_numpy(s["aux_hidden_states"])
                 got_last = torch.from_numpy(s["last_hidden_states"])
                 torch.testing.assert_close(got_aux, want_aux, rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(got_last, out.hidden_states[-1][0], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(got_last, pre, rtol=1e-4, atol=1e-4)  # pre_norm
     assert seen == tokenized["id"].to_list()
 
 
@@ -395,10 +394,9 @@ def test_qwen3_thinking_through_a_reasoning_server(tmp_path: Path) -> None:
         with open_shard(wf.path(f"results/hidden_states/A1/{entry['file']}")) as shard:
             for i in range(shard.num_samples):
                 s = shard.sample(i)
-                with torch.inference_mode():
-                    out = model(torch.tensor(s["input_ids"])[None], output_hidden_states=True)
+                _, pre = forward_with_pre_norm(model, [int(t) for t in s["input_ids"]])
                 got_last = torch.from_numpy(s["last_hidden_states"])
-                torch.testing.assert_close(got_last, out.hidden_states[-1][0], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(got_last, pre, rtol=1e-4, atol=1e-4)  # pre_norm
 
 
 def test_rows_without_ids_still_train_and_show_what_the_ids_fix(

@@ -124,7 +124,7 @@ def test_hidden_states_equal_a_direct_forward(finished: Workflow, tiny_model_dir
             with open_shard(path) as shard:
                 assert shard.attrs["aux_layer_ids"] == list(aux_ids)
                 assert shard.attrs["aux_hidden_states_indices"] == [i + 1 for i in aux_ids]
-                assert shard.attrs["final_state"] == "post_norm"
+                assert shard.attrs["final_state"] == "pre_norm"  # the default
                 assert shard.hidden_dtype == "bfloat16"
                 for i in range(shard.num_samples):
                     s = shard.sample(i)
@@ -133,9 +133,13 @@ def test_hidden_states_equal_a_direct_forward(finished: Workflow, tiny_model_dir
                     with torch.inference_mode():
                         out = model(ids, output_hidden_states=True)
                     want_aux = torch.cat([out.hidden_states[k + 1][0] for k in aux_ids], -1)
-                    want_last = out.hidden_states[-1][0]
+                    want_last = out.hidden_states[-1][0]  # post-norm
                     got_aux = torch.from_numpy(s["aux_hidden_states"])
-                    got_last = torch.from_numpy(s["last_hidden_states"])
+                    # The pre-norm state: the model's own final norm of it is the post-norm.
+                    with torch.inference_mode():
+                        got_last = model.model.norm(
+                            torch.from_numpy(s["last_hidden_states"]).to(want_last.dtype)
+                        ).float()
                     # bf16: a few ulps of difference from batching/padding are fine.
                     torch.testing.assert_close(got_aux, want_aux.float(), rtol=2e-2, atol=2e-2)
                     torch.testing.assert_close(got_last, want_last.float(), rtol=2e-2, atol=2e-2)

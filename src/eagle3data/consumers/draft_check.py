@@ -31,9 +31,9 @@ prefix that token is the draft's own prediction, so the accepted count is exactl
 inference feeding the draft its own tokens would accept.
 
 The final state: speculators computes its teacher as ``lm_head(verifier_norm(last))`` from the
-PRE-norm state, and our shards hold the post-norm one. RMSNorm is scale-invariant, so
-``post / norm_weight`` (:func:`prenorm_from_postnorm`) is a pre-norm state the verifier norm maps
-back onto ``post`` exactly up to its epsilon.
+PRE-norm state, which shards extracted with ``final_state: pre_norm`` hold. From post-norm
+shards: RMSNorm is scale-invariant, so ``post / norm_weight`` (:func:`prenorm_from_postnorm`)
+is a pre-norm state the verifier norm maps back onto ``post`` exactly up to its epsilon.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..hidden_states.final_state import PRE_NORM, final_state_of
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +108,15 @@ class DraftCheckSettings:
 
 @dataclass
 class Sample:
-    """One conversation: token ids, loss mask, aux states [L, 3H], post-norm final state [L, H]."""
+    """One conversation: token ids, loss mask, aux states [L, 3H], final state [L, H]
+    (pre-norm when ``pre_norm``, else post-norm)."""
 
     id: str
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     aux_hidden_states: torch.Tensor
     last_hidden_states: torch.Tensor
+    pre_norm: bool = False
 
 
 # --------------------------------------------------------------------------- data
@@ -134,6 +138,7 @@ def load_samples(shard_dirs: Sequence[str | Path]) -> list[Sample]:
                     loss_mask=item["loss_mask"],
                     aux_hidden_states=item["aux_hidden_states"].float(),
                     last_hidden_states=item["last_hidden_states"].float(),
+                    pre_norm=dataset.final_state == PRE_NORM,
                 )
             )
         return out
@@ -180,6 +185,7 @@ def shift_states(sample: Sample, offset: int = 1) -> Sample:
         sample.loss_mask,
         late(sample.aux_hidden_states),
         late(sample.last_hidden_states),
+        sample.pre_norm,
     )
 
 
@@ -203,9 +209,9 @@ def _speculators_row(sample: Sample, norm_weight: torch.Tensor) -> dict[str, tor
         {
             "input_ids": sample.input_ids.long(),
             "hidden_states": sample.aux_hidden_states.float(),
-            "verifier_last_hidden_states": prenorm_from_postnorm(
-                sample.last_hidden_states.float(), norm_weight
-            ),
+            "verifier_last_hidden_states": sample.last_hidden_states.float()
+            if sample.pre_norm
+            else prenorm_from_postnorm(sample.last_hidden_states.float(), norm_weight),
             "loss_mask": sample.loss_mask.long(),
             "lengths": torch.tensor([n]),
             "position_ids": torch.arange(n),
@@ -552,10 +558,7 @@ def draft_check(
     layer_ids = None
     for directory in shard_dirs:
         attrs = json.loads((Path(directory) / "manifest.json").read_text(encoding="utf-8"))["attrs"]
-        if attrs.get("final_state") != "post_norm":
-            raise ValueError(
-                f"{directory}: final_state {attrs.get('final_state')!r}, expected post_norm"
-            )
+        final_state_of(attrs, directory)
         ids = list(attrs["aux_hidden_states_indices"])
         if layer_ids is not None and ids != layer_ids:
             raise ValueError(f"{directory}: aux layers {ids} differ from {layer_ids}")

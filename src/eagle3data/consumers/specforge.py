@@ -17,7 +17,9 @@ conversation, written by its ``scripts/prepare_hidden_states.py``:
 ``.ckpt``/``.ckpt.gz`` files in sorted order and loads each with
 ``torch.load(path, weights_only=False, mmap=True)``; training then uses
 ``aux_hidden_state`` as the draft input and ``hidden_state`` as the target (projected
-by the target's lm_head). Unlike SpecForge's own capture, no padding is stored: L is
+by the target's lm_head, so it must be the post-norm state: shards holding the pre-norm
+state go through the target's own final norm, in the shards' forward dtype, exactly as
+the target applied it). Unlike SpecForge's own capture, no padding is stored: L is
 the conversation's length. "Export dtype" is ``export.dtype``, bf16 by default: SpecForge's
 ``TargetHead`` casts the target's head to bf16, so its training fails on float32 states
 ("expected m1 and m2 to have the same dtype"), which is what a CPU forward gives. Shards
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 
 from ..atomic import atomic_directory
+from ..hidden_states.final_state import POST_NORM, final_state_of
 from ..loader import HiddenStateDataset
 
 __all__ = [
@@ -88,13 +91,21 @@ def export_specforge(
     shard_dir: str,
     out_dir: str,
     work_dir: str,
+    model_path: str | None = None,
     group_size: int = FILE_GROUP_SIZE,
     dtype: str = "bfloat16",
+    trust_remote_code: bool = False,
 ) -> None:
     """Write every conversation of ``shard_dir`` (validated shards) as SpecForge files,
-    hidden states in ``dtype`` (a name of :data:`EXPORT_DTYPES`)."""
+    hidden states in ``dtype`` (a name of :data:`EXPORT_DTYPES`); ``model_path``, the
+    target, is needed for shards that hold the pre-norm final state."""
     torch_dtype = EXPORT_DTYPES[dtype]
-    data = HiddenStateDataset(shard_dir)
+    data = HiddenStateDataset(
+        shard_dir,
+        final_state=POST_NORM,
+        model=model_path,
+        trust_remote_code=trust_remote_code,
+    )
     manifest = json.loads((Path(shard_dir) / "manifest.json").read_text(encoding="utf-8"))
     samples = []
     tokens = 0
@@ -124,6 +135,11 @@ def export_specforge(
                 "hidden_state": "[1, L, H] final layer after the final norm",
                 "aux_hidden_state": "[1, L, 3H] aux layers (see attrs.aux_layer_ids)",
             },
+            "final_state": (
+                "post_norm: the shards' post-norm state"
+                if final_state_of(manifest.get("attrs") or {}) == POST_NORM
+                else "post_norm: the target's own final norm applied to the shards' pre-norm state"
+            ),
             "attrs": manifest.get("attrs", {}),
             "samples": samples,
         }

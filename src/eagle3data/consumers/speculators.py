@@ -21,14 +21,16 @@ speculators trains from one folder (``speculators train --data-path``)::
 training folder, its rows in a seeded order (speculators splits train/val by row index).
 
 The final state: speculators computes the teacher as ``lm_head(verifier_norm(last))`` with
-its own ``LlamaRMSNorm`` carrying the target's final-norm weight, so it needs the state the
-norm is applied to. The shards store the norm's output. For an RMSNorm
-``x * rsqrt(mean(x^2) + eps) * w`` with no zero weight, ``post / w`` is ``x`` up to a
-positive scale per token, and RMSNorm is scale-invariant: ``norm(post / w) == post``
-(within ~eps). That is what is exported. Whether the target's final norm is that formula is
-checked numerically on the module of the target's own architecture carrying the
-checkpoint's weights (Gemma's ``(1 + w)``, LayerNorm's mean and bias fail); anything else is
-refused with one line naming the norm class.
+its own ``LlamaRMSNorm`` carrying the checkpoint's ``model.norm.weight``, so it needs the
+state the norm is applied to. Shards holding the pre-norm state (``final_state:
+pre_norm``, the default) give it as is. Older shards hold the norm's output: for an
+RMSNorm ``x * rsqrt(mean(x^2) + eps) * w`` with no zero weight, ``post / w`` is ``x`` up to
+a positive scale per token, and RMSNorm is scale-invariant: ``norm(post / w) == post``
+(within ~eps), which is what is exported from them. Either way speculators' teacher is
+right only when the target's final norm is that formula: that is checked numerically on
+the module of the target's own architecture carrying the checkpoint's weights, before any
+work; for any other norm (Gemma's ``(1 + w)``, LayerNorm's mean and bias) speculators'
+teacher is wrong whatever is exported, and the export says so in one line.
 
 FP8 shards are dequantized by the loader. speculators' own FP8 layout (``hs_connectors``
 ``fp8`` backend) has one scale per token over all four layers; ours has one per 128
@@ -49,7 +51,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,11 +61,12 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_directory
-from ..errors import SpeculatorsExportError
+from ..errors import ModelConfigError, SpeculatorsExportError
 from ..hidden_states import agreement
+from ..hidden_states.final_state import POST_NORM, PRE_NORM, final_state_of, load_final_norm
 from ..loader import HiddenStateDataset
 from ..model_config import hidden_size as config_hidden_size
-from ..model_config import is_wrapper, read_model_config
+from ..model_config import read_model_config
 
 __all__ = [
     "EXPORT_JSON",
@@ -102,58 +104,45 @@ _SPECULATORS_NORM_KEY = "model.norm.weight"
 # ------------------------------------------------------------------ the final norm
 
 
-def final_norm_weight(model_path: str | Path, *, trust_remote_code: bool = False) -> torch.Tensor:
+def teacher_norm_weight(model_path: str | Path, *, trust_remote_code: bool = False) -> torch.Tensor:
     """The target's final-norm weight (float32 [H]) when that norm is the plain RMSNorm
-    ``x * rsqrt(mean(x^2) + eps) * w`` with no zero weight; else one-line refusal.
+    ``x * rsqrt(mean(x^2) + eps) * w`` that speculators' teacher applies; else a one-line
+    refusal (its teacher would be wrong for this target whatever is exported).
 
-    The norm module is the one the target's own architecture builds (on the meta device,
-    no weights but the norm's are read), loaded with the checkpoint's tensors, and checked
-    numerically against the formula."""
-    from transformers import AutoModelForCausalLM
+    The norm module is the one the target's own architecture builds, carrying the
+    checkpoint's tensors (:func:`~eagle3data.hidden_states.final_state.load_final_norm`),
+    checked numerically against the formula."""
+    try:
+        final = load_final_norm(model_path, trust_remote_code=trust_remote_code)
+    except ModelConfigError as exc:
+        raise SpeculatorsExportError(
+            f"{exc}; cannot tell what speculators' teacher needs"
+        ) from None
+    norm, cls = final.module, final.class_name
+    raw = read_model_config(model_path)
+    eps = (raw.get("text_config") or raw).get("rms_norm_eps")
+    tensors = norm.state_dict()
+    weight = tensors.get("weight")
+    if weight is None or set(tensors) != {"weight"} or eps is None or not _is_plain_rms(norm, eps):
+        raise SpeculatorsExportError(
+            f"{model_path}: the final norm is {cls}, not an RMSNorm x*rsqrt(mean(x^2)+eps)*w; "
+            f"speculators' teacher applies that RMSNorm with {_SPECULATORS_NORM_KEY} to the "
+            f"final state, so it is wrong for this target whatever is exported; not exported"
+        )
+    return weight.detach().float()
 
-    from ..target import _WRAPPER_KEY_MAPPING, text_decoder_config
 
-    config = text_decoder_config(model_path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    norm = getattr(model.get_decoder(), "norm", None)
-    if not isinstance(norm, torch.nn.Module):
-        raise SpeculatorsExportError(
-            f"{model_path}: {type(model).__name__} has no final norm at .norm of its decoder; "
-            f"cannot tell what speculators' verifier norm would be applied to"
-        )
-    prefix = next(name for name, module in model.named_modules() if module is norm)
-    wanted = {f"{prefix}.{name}": name for name in norm.state_dict()}
-    files = agreement._weight_files(Path(model_path))
-    mapping = _WRAPPER_KEY_MAPPING if is_wrapper(read_model_config(model_path)) else {}
-    found: dict[str, torch.Tensor] = {}
-    for stored in files:
-        name = stored
-        for pattern, replacement in mapping.items():
-            name = re.sub(pattern, replacement, name)
-        if name in wanted:
-            found[wanted[name]] = agreement._read_tensor(files[stored], stored).float()
-    cls = type(norm).__name__
-    if set(found) != set(wanted.values()):
-        raise SpeculatorsExportError(
-            f"{model_path}: the checkpoint lacks {sorted(set(wanted) - set(found))} of the "
-            f"final norm {cls}"
-        )
-    norm = norm.to_empty(device="cpu").float()
-    norm.load_state_dict(found)
-    weight = found.get("weight")
-    eps = getattr(config, "rms_norm_eps", None)
-    if weight is None or set(found) != {"weight"} or eps is None or not _is_plain_rms(norm, eps):
-        raise SpeculatorsExportError(
-            f"{model_path}: the final norm is {cls}, not an RMSNorm x*rsqrt(mean(x^2)+eps)*w "
-            f"(speculators applies its own such norm to the final state, and the post-norm "
-            f"state in the shards cannot be made into its input); not exported"
-        )
+def final_norm_weight(model_path: str | Path, *, trust_remote_code: bool = False) -> torch.Tensor:
+    """:func:`teacher_norm_weight`, refused also when a weight is zero: what the export
+    divides post-norm shards by (the pre-norm state is lost in a zero-weight channel)."""
+    weight = teacher_norm_weight(model_path, trust_remote_code=trust_remote_code)
     zeros = int((weight == 0).sum())
     if zeros:
         raise SpeculatorsExportError(
-            f"{model_path}: the final norm {cls} has {zeros} zero weight(s): the pre-norm state "
-            f"is lost in those channels and speculators' teacher cannot be restored; not exported"
+            f"{model_path}: the final norm has {zeros} zero weight(s): the pre-norm state is "
+            f"lost in those channels of the shards' post-norm state and speculators' teacher "
+            f"cannot be restored (extract with hidden_states.final_state: pre_norm); not "
+            f"exported"
         )
     return weight
 
@@ -200,11 +189,7 @@ def _common_attrs(manifests: Sequence[Mapping[str, Any]], datasets: Sequence[str
                     f"{first.get(key)!r}: one speculators training folder needs one target "
                     f"and one set of layers"
                 )
-    if first.get("final_state") != "post_norm":
-        raise SpeculatorsExportError(
-            f"{first_name}: the shards' final_state is {first.get('final_state')!r}; the "
-            f"speculators export knows how to make its input only from 'post_norm'"
-        )
+    final_state_of(first, first_name)
     return dict(first)
 
 
@@ -289,7 +274,12 @@ def export_speculators(
     torch_dtype = EXPORT_DTYPES[dtype]
     manifests = [_manifest(d) for d in shard_dirs]
     attrs = _common_attrs(manifests, datasets)
-    weight = final_norm_weight(model_path, trust_remote_code=trust_remote_code)
+    stored = final_state_of(attrs, shard_dirs[0] if shard_dirs else out_dir)
+    if stored == PRE_NORM:
+        teacher_norm_weight(model_path, trust_remote_code=trust_remote_code)
+        weight = None  # exported as is
+    else:
+        weight = final_norm_weight(model_path, trust_remote_code=trust_remote_code)
     h = config_hidden_size(read_model_config(model_path))
     if attrs and int(attrs["hidden_size"]) != h:
         raise SpeculatorsExportError(
@@ -311,7 +301,9 @@ def export_speculators(
             input_ids = item["input_ids"].to(torch.int64)
             length = int(input_ids.numel())
             aux = item["aux_hidden_states"].reshape(length, 3, h)
-            pre = item["last_hidden_states"].float() / weight  # RMSNorm: post / w ∝ pre
+            pre = item["last_hidden_states"]
+            if weight is not None:
+                pre = pre.float() / weight  # RMSNorm: post / w ∝ pre
             states = torch.cat([aux.to(torch_dtype), pre.to(torch_dtype)[:, None]], dim=1)
             blob = save({"hidden_states": states.contiguous(), "token_ids": input_ids.clone()})
             _write_bytes(tmp / HIDDEN_STATES / f"hs_{i}.safetensors", blob)
@@ -355,8 +347,10 @@ def export_speculators(
             "target_layer_ids_convention": "hidden_states_index (vLLM/speculators: the "
             "input of layer k, output_hidden_states[k]); aux_layer_ids (layer_output) "
             f"{attrs.get('aux_layer_ids')}",
-            "final_state": "pre_norm: the shards' post-norm state divided by the final "
-            "norm's weight (RMSNorm is scale-invariant)",
+            "final_state": "pre_norm: the shards' pre-norm state"
+            if weight is None
+            else "pre_norm: the shards' post-norm state divided by the final norm's weight "
+            "(RMSNorm is scale-invariant)",
             "draft_vocab_size": n,
             "train_command": shlex.join(command),
             "cpu_note": "on CPU speculators' Trainer moves the model to the accelerator "
@@ -372,6 +366,7 @@ def export_speculators(
             dtype=dtype,
             rows=rows,
             responses=responses,
+            trust_remote_code=trust_remote_code,
         )
         info["self_check"] = checks
         (tmp / EXPORT_JSON).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
@@ -464,6 +459,7 @@ def verify_speculators_export(
     dtype: str = "bfloat16",
     rows: Sequence[_Row] | None = None,
     responses: Sequence[str] | None = None,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Read the export back through speculators' own code and check it against the shards
     (see the module docstring); raise :class:`SpeculatorsExportError` with one line on the
@@ -503,7 +499,13 @@ def verify_speculators_export(
         on_missing="raise",
         hidden_states_dtype=torch_dtype,
     )
-    loaders = [HiddenStateDataset(d) for d in shard_dirs]
+    # Compared as post-norm: what speculators' teacher must give back.
+    loaders = [
+        HiddenStateDataset(
+            d, final_state=POST_NORM, model=model_path, trust_remote_code=trust_remote_code
+        )
+        for d in shard_dirs
+    ]
     if rows is not None:
         position = {(r.dataset, r.index): k for k, r in enumerate(rows)}
     if len(data) != sum(len(x) for x in loaders):

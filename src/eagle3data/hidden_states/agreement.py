@@ -1,12 +1,13 @@
 """Does the target agree with the tokens it generated? The data's own end-to-end check.
 
-For a token the target produced greedily, the target's own head applied to the stored
-final (post-norm) state at position t predicts the token at t + 1. Everything that can
-silently break EAGLE-3 data breaks that: token ids from another tokenizer, a rendered
-prompt that differs from what the target saw while generating (reasoning dropped from
-history), states of another model, a pre-norm state stored as post-norm, states shifted
-against the tokens. So the validate job measures, on a seeded sample of positions per
-shard:
+For a token the target produced greedily, the target's own head applied to the
+post-norm final state at position t predicts the token at t + 1 (shards holding the
+pre-norm state go through the target's own final norm first: :mod:`.final_state`).
+Everything that can silently break EAGLE-3 data breaks that: token ids from another
+tokenizer, a rendered prompt that differs from what the target saw while generating
+(reasoning dropped from history), states of another model, a pre-norm state recorded as
+post-norm, states shifted against the tokens. So the validate job measures, on a seeded
+sample of positions per shard:
 
 * **agreement**: argmax(lm_head(last[t])) == input_ids[t + 1], over positions whose next
   token the target produced (supervised, and not written by the template: after an
@@ -39,6 +40,7 @@ import torch
 
 from .. import model_config
 from ..errors import ValidationError
+from .final_state import PRE_NORM, FinalNorm, final_state_of
 
 log = logging.getLogger(__name__)
 
@@ -309,9 +311,11 @@ def shard_agreement(
     positions_per_shard: int | None,
     seed: int,
     turns: Mapping[str, Sequence[TurnRecord]] | None = None,
+    final_norm: FinalNorm | None = None,
 ) -> AgreementStats:
     """Agreement over a seeded sample of one open shard's produced positions
-    (``turns``: the response records' turns by response id, see :func:`template_tails`)."""
+    (``turns``: the response records' turns by response id, see :func:`template_tails`;
+    ``final_norm``: the target's, for a shard holding the pre-norm state)."""
     input_ids = np.asarray(shard.input_ids, dtype=np.int64)
     offsets = np.asarray(shard.sample_offsets, dtype=np.int64)
     loss_mask = np.asarray(shard.loss_mask)
@@ -326,6 +330,13 @@ def shard_agreement(
             f"{head.shape[1]}: the states are not this model's"
         )
     last = shard.last_hidden_states(as_torch=True)[torch.from_numpy(chosen)]
+    if final_state_of(getattr(shard, "attrs", {}), shard.path) == PRE_NORM:
+        if final_norm is None:
+            raise ValidationError(
+                f"{shard.path}: holds the pre-norm final state; the agreement check needs "
+                f"the target's final norm to score it"
+            )
+        last = final_norm.to(last.dtype)(last)
     targets = torch.from_numpy(input_ids[chosen + 1])
     # The control token t + 2 must lie in the same sample as t.
     sample_of = np.searchsorted(offsets, chosen, side="right") - 1

@@ -1,6 +1,7 @@
 """The capture backends, and the one ``hidden_states.backend`` names.
 
-Every backend is an :class:`Extractor`: ``aux``, ``hidden_size``, ``dtype`` and
+Every backend is an :class:`Extractor`: ``aux``, ``hidden_size``, ``dtype``,
+``final_state`` (which final state ``last`` is: :mod:`.final_state`) and
 ``forward(samples)`` returning ``(aux [T, 3H], last [T, H])`` CPU tensors per sample, in
 the model dtype:
 
@@ -18,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..gpu_slots import VISIBLE_ENV, held_gpu_count, parse_visible
+from .final_state import POST_NORM
 from .layers import AuxLayers
 from .settings import hidden_state_dtype
 
@@ -33,6 +35,7 @@ class Extractor(Protocol):
     aux: AuxLayers
     hidden_size: int
     dtype: torch.dtype
+    final_state: str
 
     def forward(
         self, samples: Sequence[Sequence[int]]
@@ -64,6 +67,9 @@ def build_extractor(
         "convention": hidden_cfg["aux_layer_convention"],
         "dtype": hidden_state_dtype(hidden_cfg, model_dtype),
         "trust_remote_code": bool(hidden_cfg.get("trust_remote_code", False)),
+        # Absent from the settings only when post_norm (settings._LATER_DEFAULTS); the
+        # schema's default, pre_norm, is always written out.
+        "final_state": hidden_cfg.get("final_state", POST_NORM),
     }
     if backend == "transformers":
         from .transformers_capture import HiddenStateExtractor

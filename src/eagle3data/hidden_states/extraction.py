@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ValidationError
 from ..shards import ShardWriter
 from ..tokenization.table import read_row_range
+from . import final_state
 from .backends import Extractor, build_extractor
 from .planning import shard_spec
 from .settings import storage_dtype
@@ -155,8 +156,8 @@ def extract_shard(
         "model": model_label,
         "tokenizer_hash": tok_stats["tokenizer_hash"],
         "chat_template_hash": tok_stats["chat_template_hash"],
-        "final_state": "post_norm",
-        "final_state_description": "output of the model's final norm (the lm_head input)",
+        "final_state": extractor.final_state,
+        "final_state_description": final_state.DESCRIPTIONS[extractor.final_state],
         "max_seq_len": tok_stats["max_seq_len"],
         "reasoning": tok_stats["reasoning"],
         "samples": SAMPLES_ATTR,

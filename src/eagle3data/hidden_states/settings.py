@@ -4,8 +4,9 @@
 hidden_states rules (their rerun trigger) and what their scripts read back; where and
 on how many GPUs the states are computed does not change them, so those keys are left
 out: adding them, or moving a run to another machine, re-runs nothing. Keys added
-later are left out while they hold the default that stores what was stored before
-(``storage_dtype: auto``), so upgrading re-extracts nothing; any other value changes
+later are left out while they hold the value that stores what was stored before
+(``storage_dtype: auto``, ``final_state: post_norm``), so such a value re-extracts
+nothing after an upgrade; any other value changes
 the states, and the settings, so shards are extracted again.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 # hidden_states.* keys that say how a shard is computed, not what it holds.
 EXECUTION_KEYS = ("gpus_per_job", "sglang")
 # Keys added after shards existed, and the default that keeps the old content.
-_LATER_DEFAULTS = {"storage_dtype": "auto"}
+_LATER_DEFAULTS = {"storage_dtype": "auto", "final_state": "post_norm"}
 
 
 def hidden_state_settings(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,10 @@ final-norm state (``LogitsProcessorOutput.last_hidden_states``) is computed in
 the same forward but not returned. A forward hook on the model's
 ``logits_processor`` (SGLang's stock ``forward_hooks`` server argument, run in
 every worker) joins them into ``[P, 3H + H]`` rows per request, and then, by
-``hidden_states.sglang.handoff``:
+``hidden_states.sglang.handoff``, hands them over (below). With ``final_state:
+pre_norm`` a second hook, on the decoder's final norm, keeps the norm's input (the
+updated residual its fused add-and-norm returns) and the rows carry that in place of
+the post-norm state.
 
 * ``shared_memory`` (default): the hook copies the forward batch's rows into shared
   memory and SGLang returns only a ``[P, 3]`` pointer per request (:mod:`.handoff`):
@@ -52,6 +55,7 @@ from ..torch_utils import TORCH_DTYPES
 from . import handoff
 from .engine_processes import EngineWatch, descendants, process_keys, shm_files
 from .engine_reaper import Reaper
+from .final_state import FINAL_STATES, POST_NORM, PRE_NORM
 from .layers import AuxLayers, resolve_aux_layers
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,10 @@ FIRST_ID_RULE_ARCHITECTURES = frozenset(
 
 HOOK_FACTORY = "eagle3data.hidden_states.sglang_capture:append_last_hidden_states_hook"
 SHARED_HOOK_FACTORY = "eagle3data.hidden_states.sglang_capture:shared_rows_hook"
+PRE_NORM_HOOK_FACTORY = "eagle3data.hidden_states.sglang_capture:pre_norm_hook"
+# The text decoder's final norm: model.norm (Llama, DeepSeek-V3), language_model.model.norm
+# (Kimi-K2.5's wrapper).
+FINAL_NORM_MODULES = ["model.norm", "*.model.norm"]
 HANDOFFS = ("shared_memory", "lists")
 
 DEFAULT_OPTIONS: dict[str, Any] = {
@@ -119,15 +127,36 @@ def engine_kwargs(
     trust_remote_code: bool = False,
     handoff_dir: str | None = None,
     device: str = "auto",
+    final_state: str = PRE_NORM,
 ) -> dict[str, Any]:
     """``sglang.Engine`` arguments (``ServerArgs`` field names) of a capture engine;
     with ``handoff_dir`` the hook hands rows over through shared memory there;
-    ``device`` other than ``auto`` is SGLang's ``device`` (``cpu``: its CPU engine)."""
+    ``device`` other than ``auto`` is SGLang's ``device`` (``cpu``: its CPU engine);
+    ``final_state`` is the final state the rows carry."""
     opts = {**DEFAULT_OPTIONS, **options}
     if handoff_dir is None:
-        hook = {"hook_factory": HOOK_FACTORY}
+        hook = {"hook_factory": HOOK_FACTORY, "config": {"final_state": final_state}}
     else:
-        hook = {"hook_factory": SHARED_HOOK_FACTORY, "config": {"directory": handoff_dir}}
+        hook = {
+            "hook_factory": SHARED_HOOK_FACTORY,
+            "config": {"directory": handoff_dir, "final_state": final_state},
+        }
+    hooks = [
+        {
+            "name": "eagle3data-last-hidden-states",
+            "target_modules": ["logits_processor", "*.logits_processor"],
+            **hook,
+        }
+    ]
+    if final_state == PRE_NORM:
+        hooks.insert(
+            0,
+            {
+                "name": "eagle3data-pre-norm",
+                "target_modules": FINAL_NORM_MODULES,
+                "hook_factory": PRE_NORM_HOOK_FACTORY,
+            },
+        )
     forced: dict[str, Any] = {
         "model_path": model_path,
         "dtype": dtype,
@@ -146,13 +175,7 @@ def engine_kwargs(
         "enable_return_aux_hidden_states": True,
         "speculative_algorithm": "EAGLE3",
         "return_aux_hidden_state_layer_ids": list(layer_ids),
-        "forward_hooks": [
-            {
-                "name": "eagle3data-last-hidden-states",
-                "target_modules": ["logits_processor", "*.logits_processor"],
-                **hook,
-            }
-        ],
+        "forward_hooks": hooks,
         # Forward hooks run only on the eager path (a graph replay skips Python), and
         # capture requests are prefills only: no decode graph is worth its memory.
         "disable_prefill_cuda_graph": True,
@@ -171,18 +194,20 @@ def engine_kwargs(
     return {**forced, **extra}
 
 
-def append_last_hidden_states_hook(_config: Mapping[str, Any]) -> Callable[..., None]:
+def append_last_hidden_states_hook(config: Mapping[str, Any]) -> Callable[..., None]:
     """Forward-hook factory SGLang calls in each worker (``forward_hooks``).
 
     Under full capture with aux states, ``output.hidden_states`` holds the aux rows
     and ``output.last_hidden_states`` the post-norm rows of the same tokens; the
-    hook puts both into the returned rows as ``[aux | last]``.
+    hook puts both into the returned rows as ``[aux | last]`` (``last`` the pre-norm
+    rows when ``config["final_state"]`` says so).
     """
+    final_state = (config or {}).get("final_state", POST_NORM)
 
     def hook(_module: Any, _inputs: Any, output: Any) -> None:
-        rows = _joined_rows(output)
-        if rows is not None:
-            output.hidden_states = rows
+        parts = _captured_parts(output, final_state)
+        if parts is not None:
+            output.hidden_states = torch.cat(parts, dim=-1)
             output.last_hidden_states = None
 
     return hook
@@ -193,9 +218,10 @@ def shared_rows_hook(config: Mapping[str, Any]) -> Callable[..., None]:
     ``[aux | last]`` rows go to a file in ``config["directory"]`` and SGLang returns
     their ``[T, 3]`` pointers instead."""
     writer = handoff.RowsWriter(config["directory"])
+    final_state = config.get("final_state", POST_NORM)
 
     def hook(_module: Any, _inputs: Any, output: Any) -> None:
-        parts = _captured_parts(output)
+        parts = _captured_parts(output, final_state)
         if parts is not None:
             output.hidden_states = writer.put(parts)
             output.last_hidden_states = None
@@ -203,20 +229,53 @@ def shared_rows_hook(config: Mapping[str, Any]) -> Callable[..., None]:
     return hook
 
 
-def _captured_parts(output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+# This worker's final-norm input of the forward running now (pre_norm_hook), taken by the
+# logits processor's hook of the same forward.
+_pre_norm_rows: list[torch.Tensor] = []
+
+
+def pre_norm_hook(_config: Mapping[str, Any]) -> Callable[..., None]:
+    """Forward-hook factory for the decoder's final norm: keeps its input, the pre-norm
+    state. SGLang's norm takes ``(x, residual)`` and returns ``(normed, x + residual)``
+    (its fused kernel may overwrite ``x`` in place): the updated residual is the input
+    it normalized; without a residual the input is ``x``."""
+
+    def hook(_module: Any, inputs: Any, output: Any) -> None:
+        if isinstance(output, tuple) and len(output) == 2 and output[1] is not None:
+            pre = output[1]
+        else:
+            pre = inputs[0]
+        # A copy: the residual's storage is the layer stack's, reused by the next forward.
+        _pre_norm_rows[:] = [pre.detach().clone()]
+
+    return hook
+
+
+def _captured_parts(
+    output: Any, final_state: str = POST_NORM
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(aux, last) of a full-capture forward, in the aux dtype; None for any other
     forward (decode, warm-up, a batch that asked for no states) or when a hook already ran."""
     aux = getattr(output, "hidden_states", None)
     last = getattr(output, "last_hidden_states", None)
     if aux is None or last is None or aux.shape[0] != last.shape[0]:
         return None
+    if final_state == PRE_NORM and last.shape[0] == 0:
+        # An idle forward (a data-parallel attention group with no request this step):
+        # SGLang skips the final norm, and there is no row to replace.
+        _pre_norm_rows.clear()
+    elif final_state == PRE_NORM:
+        pre = _pre_norm_rows.pop() if _pre_norm_rows else None
+        if pre is None or pre.shape != last.shape:
+            # Raised in the worker: the engine stops and the job names this rank.
+            raise SGLangCaptureError(
+                f"the final norm's input of this forward was "
+                f"{'not seen' if pre is None else f'{list(pre.shape)}'} where the post-norm "
+                f"state is {list(last.shape)}: the hook on {FINAL_NORM_MODULES} did not run "
+                f"once per forward (hidden_states.final_state: post_norm captures without it)"
+            )
+        last = pre
     return aux, last.to(aux.dtype)
-
-
-def _joined_rows(output: Any) -> torch.Tensor | None:
-    """``[aux | last]`` of a full-capture forward (see :func:`_captured_parts`)."""
-    parts = _captured_parts(output)
-    return None if parts is None else torch.cat(parts, dim=-1)
 
 
 def split_states(
@@ -426,8 +485,15 @@ class SGLangCapture:
         batch_tokens: int | None = None,
         device: str = "auto",
         engine_factory: Callable[[Mapping[str, Any]], Any] = start_engine,
+        final_state: str = PRE_NORM,
     ) -> None:
         check_remote_code(model_path, trust_remote_code)
+        if final_state not in FINAL_STATES:
+            raise SGLangCaptureError(
+                f"hidden_states.final_state must be one of {list(FINAL_STATES)}, "
+                f"got {final_state!r}"
+            )
+        self.final_state = final_state
         opts = {**DEFAULT_OPTIONS, **(options or {})}
         if opts["handoff"] not in HANDOFFS:
             raise SGLangCaptureError(
@@ -467,6 +533,7 @@ class SGLangCapture:
             trust_remote_code=trust_remote_code,
             handoff_dir=None if self.reader is None else str(self.reader.directory),
             device=device,
+            final_state=final_state,
         )
         log.info(
             "starting sglang capture engine: tp_size=%d ep_size=%d dp_size=%d%s, aux layer "

@@ -1,10 +1,10 @@
 """Hidden-state capture with transformers (in-process, CPU or GPU).
 
-Forward hooks capture exactly the aux layers' outputs and the final norm's output,
-and the forward runs the base model only (no lm_head: a vocab-sized projection per
-token that nothing here uses). Batches are right-padded, so the causal mask keeps
-real tokens from ever seeing padding; padding rows are dropped before anything is
-stored.
+Forward hooks capture exactly the aux layers' outputs and the final norm's input
+(``final_state: pre_norm``) or output (``post_norm``), and the forward runs the base
+model only (no lm_head: a vocab-sized projection per token that nothing here uses).
+Batches are right-padded, so the causal mask keeps real tokens from ever seeing padding;
+padding rows are dropped before anything is stored.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from ..model_config import hidden_size, num_hidden_layers
 from ..target import load_causal_lm
+from .final_state import FINAL_STATES, PRE_NORM
 from .layers import AuxLayers, resolve_aux_layers
 
 
@@ -36,7 +37,11 @@ class HiddenStateExtractor:
         device: str = "auto",
         gpus: int = 1,
         trust_remote_code: bool = False,
+        final_state: str = PRE_NORM,
     ) -> None:
+        if final_state not in FINAL_STATES:
+            raise ValueError(f"final_state must be one of {list(FINAL_STATES)}: {final_state!r}")
+        self.final_state = final_state
         self.model, self.tokenizer = load_causal_lm(
             model_path, dtype=dtype, device=device, gpus=gpus, trust_remote_code=trust_remote_code
         )
@@ -50,11 +55,12 @@ class HiddenStateExtractor:
         layers = self.base.layers
         for k in self.aux.layer_ids:
             layers[k].register_forward_hook(self._hook(f"aux{k}"))
-        self.base.norm.register_forward_hook(self._hook("final_norm"))
+        pre_norm = final_state == PRE_NORM
+        self.base.norm.register_forward_hook(self._hook("final", norm_input=pre_norm))
 
-    def _hook(self, name: str) -> Any:
-        def capture(_module: Any, _inputs: Any, output: Any) -> None:
-            self._captured[name] = _tensor(output)
+    def _hook(self, name: str, *, norm_input: bool = False) -> Any:
+        def capture(_module: Any, inputs: Any, output: Any) -> None:
+            self._captured[name] = inputs[0] if norm_input else _tensor(output)
 
         return capture
 
@@ -73,5 +79,5 @@ class HiddenStateExtractor:
         self.base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
         # .cpu() before cat: with device_map="auto" the layers live on different GPUs.
         aux = torch.cat([self._captured[f"aux{k}"].cpu() for k in self.aux.layer_ids], dim=-1)
-        last = self._captured["final_norm"].cpu()
+        last = self._captured["final"].cpu()
         return [(aux[row, : len(s)], last[row, : len(s)]) for row, s in enumerate(samples)]

@@ -18,6 +18,7 @@ from ..errors import ValidationError
 from ..shards import open_shard, validate_shard
 from ..tokenization.table import sample_id_of
 from . import agreement
+from .final_state import PRE_NORM, FinalNorm, final_state_of, load_final_norm
 from .layers import AuxLayerError, resolve_aux_layers
 
 log = logging.getLogger(__name__)
@@ -208,10 +209,16 @@ def check_agreement(
     model_path: str,
     settings: Mapping[str, Any],
     responses: _Responses,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """The agreement section of the manifest; raises when it fails the thresholds."""
     greedy = responses.greedy
     head = agreement.load_head(model_path)
+    norm: FinalNorm | None = None
+    if shard_paths:
+        with open_shard(shard_paths[0]) as first:
+            if final_state_of(first.attrs, first.path) == PRE_NORM:
+                norm = load_final_norm(model_path, trust_remote_code=trust_remote_code)
     end_of_turn = agreement.end_of_turn_ids(model_path)
     total = agreement.AgreementStats()
     per_shard = []
@@ -225,6 +232,7 @@ def check_agreement(
                 None if count == "all" else int(count),
                 seed=k,
                 turns=responses.turns,
+                final_norm=norm,
             )
         total = total.combine(stats)
         per_shard.append({"file": Path(path).name, **stats.summary()})
@@ -328,7 +336,9 @@ def validate(
     checks = list(CHECKS)
     agreement_section: dict[str, Any] | None = None
     if model_path is not None and settings["enabled"]:
-        agreement_section = check_agreement(dataset, shard_paths, model_path, settings, responses)
+        agreement_section = check_agreement(
+            dataset, shard_paths, model_path, settings, responses, trust_remote_code
+        )
         checks.append(AGREEMENT_CHECK)
     manifest = {
         "dataset": dataset,

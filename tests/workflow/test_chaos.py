@@ -41,6 +41,8 @@ STAGE_OF_SCRIPT = {
 }
 PIPELINE = ["prompts", "generate", "tokenize", "plan_shards", "hidden_states", "validate"]
 # (stage to wait for, extra seconds to wait: low, high) for each kill, in pipeline order.
+# Seconds each in-process engine call of the chaos run waits first (the instrument's).
+ENGINE_CALL_DELAY_S = 0.4
 KILL_PLAN = (
     [("generate", 1.0, 5.0)] * 3
     + [("tokenize", 0.0, 0.5)] * 2
@@ -254,6 +256,10 @@ def test_random_kills_at_every_stage_change_nothing(make_workflow, tmp_path: Pat
 
     wf = make_workflow(datasets, name="chaos", generation={"batch_size": 2})
     calls_path = _counted(wf, "chaos")
+    # Generation must outlast the waits of KILL_PLAN: on a fast idle machine the tiny model
+    # ended it before the first kill, which then hit tokenize (seen on this workplace's
+    # Intel machine).
+    wf.env["EAGLE3DATA_ENGINE_CALL_DELAY_S"] = str(ENGINE_CALL_DELAY_S)
     signals = rng.sample(SIGNALS * 4, len(KILL_PLAN))  # each signal at least twice
     kills, snapshots, hangs, torn, torn_logged = [], [], [], None, False
     for sig, (stage, low, high) in zip(signals, KILL_PLAN, strict=True):

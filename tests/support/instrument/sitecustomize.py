@@ -5,6 +5,10 @@ With ``EAGLE3DATA_CALL_LOG`` set, every conversation the in-process engine finis
 appended to that file as one JSON line (its messages) right after the engine returns it,
 so a test can count engine work across processes that get killed at any moment.
 
+With ``EAGLE3DATA_ENGINE_CALL_DELAY_S`` set too, each engine call first waits that many
+seconds: generation takes the same time on a fast machine as on a slow one, so a kill
+timed to land while it runs does (the output does not change).
+
 With ``EAGLE3DATA_STACK_DIR`` set, SIGUSR1 makes any Python process (Snakemake's
 driver, its job runners, our scripts) write the stacks of all its threads to
 ``<dir>/<pid>.txt``: how a test shows where a run that does not stop is stuck.
@@ -19,11 +23,13 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 CALL_LOG = os.environ.get("EAGLE3DATA_CALL_LOG")
+CALL_DELAY_S = float(os.environ.get("EAGLE3DATA_ENGINE_CALL_DELAY_S") or 0)
 STACK_DIR = os.environ.get("EAGLE3DATA_STACK_DIR")
 ENGINE_MODULE = "eagle3data.generation.engines.transformers_engine"
 
@@ -43,6 +49,8 @@ def _count_calls(module: ModuleType) -> None:
     complete = engine.complete
 
     def counted(self: Any, conversations: Sequence[Any], *, seed: int) -> Any:
+        if CALL_DELAY_S:
+            time.sleep(CALL_DELAY_S)
         results = complete(self, conversations, seed=seed)
         _record(conversations)
         return results

@@ -45,7 +45,14 @@ import torch
 from torch.utils.data import Dataset
 
 from .errors import ShardFormatError
-from .hidden_states.final_state import FINAL_STATES, POST_NORM, PRE_NORM, FinalNorm, final_state_of
+from .hidden_states.final_state import (
+    FINAL_STATES,
+    POST_NORM,
+    PRE_NORM,
+    FinalNorm,
+    final_state_of,
+    load_final_norm,
+)
 from .layout import MANIFEST_NAME, SHARD_GLOB
 from .shards import Shard, open_shard
 
@@ -194,8 +201,6 @@ class HiddenStateDataset(Dataset[dict[str, Any]]):
             return last
         norm = self._norms.get(last.dtype)
         if norm is None:
-            from .hidden_states.final_state import load_final_norm
-
             assert self._model is not None  # _check_final_state
             norm = load_final_norm(
                 self._model, dtype=last.dtype, trust_remote_code=self._trust_remote_code

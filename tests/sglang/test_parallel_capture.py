@@ -43,7 +43,12 @@ from typing import Any
 import pytest
 import torch
 from support.sglang_cpu import CPU_ENGINE_ARGS, sglang_env
-from support.target_models import kimi_text_decoder, make_kimi_dir, make_llama_dir
+from support.target_models import (
+    forward_with_pre_norm,
+    kimi_text_decoder,
+    make_kimi_dir,
+    make_llama_dir,
+)
 from support.workflow import Workflow, kill_group, new_workflow, sharegpt_prompts, write_prompts
 
 from eagle3data.hidden_states.engine_processes import descendants
@@ -214,16 +219,11 @@ def check_against_the_target(target: Target, rnd: Round) -> None:
     and a near tie can pick another expert for a single token (seen: one token of 758 at
     0.968, every other at 1.0000)."""
     model = target.reference()
-    seen: dict[str, torch.Tensor] = {}
-    # The final norm's input: the pre-norm state (output_hidden_states[-1] is its output).
-    model.model.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("pre", i[0]))
     for sample_id, (aux, last, ids) in rnd.states.items():
         assert aux.shape[0] == last.shape[0] == len(ids), f"{rnd.name} {sample_id}: rows"
-        with torch.inference_mode():
-            out = model(torch.tensor([ids]), output_hidden_states=True)
+        out, pre = forward_with_pre_norm(model, ids)
         want_aux = torch.cat([out.hidden_states[k + 1][0] for k in rnd.layers], -1)
-        post = out.hidden_states[-1][0]
-        want_last = {"pre_norm": seen["pre"][0], "post_norm": post}[rnd.final_state]
+        want_last = {"pre_norm": pre, "post_norm": out.hidden_states[-1][0]}[rnd.final_state]
         for got, want in ((aux, want_aux), (last, want_last)):
             # Cosines cannot tell the two final states apart where the norm's weight is 1
             # (the fixtures'): their sizes can.

@@ -854,7 +854,6 @@ def make_norm_target_dir(out: Path, norm: str) -> Path:
     weight (and bias) are drawn far from their init (weights 0.2-3 with a fifth negative),
     so a state put through the wrong norm, or none, is visibly wrong."""
     import torch
-    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, StableLmConfig
 
     from support.chat_tokenizers import smollm2
@@ -880,16 +879,27 @@ def make_norm_target_dir(out: Path, norm: str) -> Path:
     model = AutoModelForCausalLM.from_config(configs[norm]())
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    path = out / "model.safetensors"
+    randomize_final_norm(out)
+    return out
+
+
+def randomize_final_norm(model_dir: Path, low: float = 0.2, high: float = 3.0) -> None:
+    """Give the checkpoint's final norm a weight (and bias, if it has one) far from its init:
+    ``low``-``high`` with a fifth negative, seeded; a wrapper's ``language_model.*`` too."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
     tensors = load_file(path)
     gen = torch.Generator().manual_seed(1)
-    for key in ("model.norm.weight", "model.norm.bias"):
-        if key in tensors:
-            value = torch.empty(tensors[key].shape).uniform_(0.2, 3.0, generator=gen)
+    for suffix in ("model.norm.weight", "model.norm.bias"):
+        keys = [k for k in tensors if k.endswith(suffix) and ".layers." not in k]
+        assert len(keys) <= 1 and (keys or suffix.endswith("bias")), keys
+        for key in keys:
+            value = torch.empty(tensors[key].shape).uniform_(low, high, generator=gen)
             sign = torch.where(torch.rand(value.shape, generator=gen) < 0.2, -1.0, 1.0)
             tensors[key] = (value * sign).to(tensors[key].dtype)
     save_file(tensors, path, metadata={"format": "pt"})
-    return out
 
 
 def specforge_view(model_dir: Path, out: Path) -> Path:

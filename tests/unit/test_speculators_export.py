@@ -19,7 +19,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.target_models import make_kimi_dir, make_qwen3_dir, tiktoken_cache, tiny_llama
+from support.target_models import (
+    make_kimi_dir,
+    make_qwen3_dir,
+    randomize_final_norm,
+    tiktoken_cache,
+    tiny_llama,
+)
 
 pytest.importorskip("speculators", reason="the README's test command installs speculators")
 
@@ -38,18 +44,6 @@ from eagle3data.shards import ShardWriter, open_shard
 from eagle3data.target import remote_code_files
 
 DATASETS = ("A1", "B2")
-
-
-def _randomize_final_norm(model_dir: Path, low: float = 0.2, high: float = 3.0) -> None:
-    """Give the checkpoint's final norm a weight far from 1 (with mixed signs)."""
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    (key,) = [k for k in tensors if k.endswith("model.norm.weight") and ".layers." not in k]
-    gen = torch.Generator().manual_seed(1)
-    w = torch.empty(tensors[key].shape).uniform_(low, high, generator=gen)
-    sign = torch.where(torch.rand(w.shape, generator=gen) < 0.2, -1.0, 1.0)
-    tensors[key] = (w * sign).to(tensors[key].dtype)
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _llama_dir(out: Path) -> Path:
@@ -170,7 +164,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     model, final_state = request.param
     base = tmp_path_factory.mktemp(f"spec-{model}-{final_state}")
     model_dir = MODELS[model](base / "model")
-    _randomize_final_norm(model_dir)
+    randomize_final_norm(model_dir)
     return _write_run(base, model_dir, final_state=final_state)
 
 
@@ -289,7 +283,7 @@ def test_aux_layers_in_the_wrong_order_fail_loudly(run: dict, tmp_path: Path) ->
 @pytest.mark.parametrize("model", ["llama"])
 def test_the_export_is_atomic_and_deterministic(tmp_path: Path, model: str, monkeypatch) -> None:
     model_dir = MODELS[model](tmp_path / "model")
-    _randomize_final_norm(model_dir)
+    randomize_final_norm(model_dir)
     run = _write_run(tmp_path / "data", model_dir)
     out = tmp_path / "results" / "speculators"
     seen = []
@@ -341,7 +335,7 @@ def test_a_norm_that_is_not_plain_rms_is_refused_in_one_line(
     }
     config = GemmaConfig(head_dim=16, **sizes) if kind == "gemma" else StableLmConfig(**sizes)
     model_dir = _tiny_config_dir(tmp_path / kind, config)
-    _randomize_final_norm(model_dir)
+    randomize_final_norm(model_dir)
     with pytest.raises(spec.SpeculatorsExportError) as caught:
         spec.final_norm_weight(model_dir)
     message = str(caught.value)
@@ -350,7 +344,7 @@ def test_a_norm_that_is_not_plain_rms_is_refused_in_one_line(
 
 def test_plain_rms_norms_are_inverted_and_zero_weights_refused(tmp_path: Path) -> None:
     model_dir = _llama_dir(tmp_path / "llama")
-    _randomize_final_norm(model_dir)
+    randomize_final_norm(model_dir)
     weight = spec.final_norm_weight(model_dir)
     stored = load_file(model_dir / "model.safetensors")["model.norm.weight"]
     assert torch.equal(weight, stored.float())
@@ -374,7 +368,7 @@ def test_float16_export_is_refused(run: dict, tmp_path: Path) -> None:
 
 def test_fp8_shards_are_exported_dequantized(tmp_path: Path) -> None:
     model_dir = _llama_dir(tmp_path / "model")
-    _randomize_final_norm(model_dir)
+    randomize_final_norm(model_dir)
     run = _write_run(tmp_path / "data", model_dir, storage_dtype="float8_e4m3fn")
     out = tmp_path / "speculators"
     _export(run, out, dtype="float32")

@@ -20,6 +20,7 @@ or config, ``RuntimeError`` for a run that cannot go on)::
     ├── GpuSlotError            (RuntimeError)  a job cannot get the GPUs it needs
     │   └── GpuSlotTimeout                      they stayed taken for too long
     ├── SGLangCaptureError      (RuntimeError)  SGLang cannot capture what was asked for
+    ├── VLLMCaptureError        (RuntimeError)  the vLLM server does not capture as asked
     ├── DiskSpaceError          (RuntimeError)  the hidden states would not fit on the disk
     ├── SpeculatorsExportError  (RuntimeError)  shards not exportable exactly for speculators
     └── ValidationError         (RuntimeError)  produced data failed a check
@@ -90,6 +91,11 @@ class GpuSlotTimeout(GpuSlotError):
 class SGLangCaptureError(UserError, RuntimeError):
     """SGLang is missing, refuses the capture settings, or returned hidden states that
     cannot be the ones asked for."""
+
+
+class VLLMCaptureError(UserError, RuntimeError):
+    """The vLLM capture server is unreachable, does not extract hidden states as the
+    config asks, or returned states that cannot be the ones asked for."""
 
 
 class DiskSpaceError(UserError, RuntimeError):

@@ -147,7 +147,8 @@ def job_gpus(config: Mapping[str, Any], stage: str) -> int:
     gpus = resolve_gpus_per_job(
         setting,
         device=device,
-        uses_gpu_backend=backend != "openai",
+        # Servers own their GPUs: generation's openai backend, the vllm capture backend.
+        uses_gpu_backend=backend not in ("openai", "vllm"),
         backend_gpus=backend_gpus,
         machine_gpus=machine_gpu_count(config) if setting == "auto" else 0,
     )

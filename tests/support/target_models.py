@@ -572,8 +572,24 @@ def _kimi_word_ids() -> list[int]:
     ]
 
 
-def kimi_text_config() -> DeepseekV3Config:
-    """The tiny DeepSeek-V3 decoder config: Kimi's vocab and special ids, toy sizes."""
+# Kimi-K2.5's own MLA head dimensions, at a small width: vLLM's CPU MLA attention runs only
+# K2.5's latent size (kv_lora_rank 512 + qk_rope_head_dim 64; the toy sizes' 16 + 8 fail at
+# the first request, "Head dimension 24 is not supported by MLA").
+K25_MLA_SIZES: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+
+
+def kimi_text_config(**sizes: Any) -> DeepseekV3Config:
+    """The tiny DeepSeek-V3 decoder config: Kimi's vocab and special ids, toy sizes
+    (``sizes`` replace some)."""
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
@@ -583,17 +599,17 @@ def kimi_text_config() -> DeepseekV3Config:
         pad_token_id=KIMI_PAD_ID,
         tie_word_embeddings=False,
         dtype="bfloat16",
-        **_KIMI_MODEL_SIZES,
+        **{**_KIMI_MODEL_SIZES, **sizes},
     )
 
 
-def _kimi_random_decoder() -> DeepseekV3ForCausalLM:
+def _kimi_random_decoder(**sizes: Any) -> DeepseekV3ForCausalLM:
     """Seeded, so the plain and the wrapped directory hold the same weights."""
     import torch
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(kimi_text_config())
+    model = DeepseekV3ForCausalLM(kimi_text_config(**sizes))
     with torch.no_grad():
         # Like a trained head, and unlike a random init, this one makes the data check
         # itself (the validate job's agreement check): a random head's logits are
@@ -696,16 +712,18 @@ def _save_kimi_wrapper(model: DeepseekV3ForCausalLM, out: Path) -> None:
     model.generation_config.save_pretrained(out)
 
 
-def make_kimi_dir(out: Path, *, wrapper: bool = False) -> Path:
+def make_kimi_dir(out: Path, *, wrapper: bool = False, k25_attention: bool = False) -> Path:
     """A complete Kimi-K2.5-shaped model directory at ``out`` (created if missing).
 
     ``wrapper=False``: a plain ``DeepseekV3ForCausalLM`` directory (what a text-only export
-    looks like). ``wrapper=True``: the same weights saved as K2.5 ships them. Building takes
-    about a second; nothing is cached outside ``out``.
+    looks like). ``wrapper=True``: the same weights saved as K2.5 ships them.
+    ``k25_attention``: K2.5's MLA head dimensions at width 256 (:data:`K25_MLA_SIZES`)
+    instead of the toy ones. Building takes about a second; nothing is cached outside
+    ``out``.
     """
     out.mkdir(parents=True, exist_ok=True)
     _write_kimi_tokenizer(out)
-    model = _kimi_random_decoder()
+    model = _kimi_random_decoder(**(K25_MLA_SIZES if k25_attention else {}))
     if wrapper:
         _save_kimi_wrapper(model, out)
     else:
@@ -777,9 +795,11 @@ def tiny_llama(
     *,
     tie_word_embeddings: bool = True,
     max_position_embeddings: int = 512,
+    head_dim: int | None = None,
 ) -> LlamaForCausalLM:
     """The suite's random 8-layer Llama (hidden 64; 4 heads and 2 KV heads, so tensor
-    parallel up to 2) for ``tokenizer``, seeded, in float32."""
+    parallel up to 2; heads of 16 unless ``head_dim``) for ``tokenizer``, seeded, in
+    float32."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -790,6 +810,7 @@ def tiny_llama(
         num_hidden_layers=8,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=head_dim or 16,
         max_position_embeddings=max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -803,8 +824,9 @@ def tiny_llama(
 _LLAMA_HEAD_SCALE = 50.0
 
 
-def make_llama_dir(out: Path) -> Path:
-    """A tiny random Llama with the SmolLM2 ChatML tokenizer and a head that writes words.
+def make_llama_dir(out: Path, *, head_dim: int | None = None) -> Path:
+    """A tiny random Llama with the SmolLM2 ChatML tokenizer and a head that writes words
+    (heads of ``head_dim``: vLLM's CPU attention wants 32 or more).
 
     :func:`tiny_llama`, untied (SmolLM2-135M's 9 heads divide by no tp_size above 1). Like
     the Kimi fixture's, the head lets only whole-word tokens win, by a wide margin, so
@@ -820,7 +842,9 @@ def make_llama_dir(out: Path) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = smollm2()
-    model = tiny_llama(tokenizer, tie_word_embeddings=False, max_position_embeddings=1024)
+    model = tiny_llama(
+        tokenizer, tie_word_embeddings=False, max_position_embeddings=1024, head_dim=head_dim
+    )
     words = sorted(
         i
         for t, i in tokenizer.get_vocab().items()
@@ -828,6 +852,12 @@ def make_llama_dir(out: Path) -> Path:
     )
     embed = model.model.embed_tokens.weight
     with torch.no_grad():
+        if head_dim is not None:
+            # Wider heads put more of the context into the residual stream than the default
+            # 16 (seen at 32: greedy text fell into a two-word loop): a quarter of the
+            # attention output keeps the token's own embedding on top.
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(0.25)
         head = torch.zeros_like(model.lm_head.weight)
         for i, word in enumerate(words):
             previous = embed[words[i - 1]]

@@ -110,6 +110,7 @@ Cancellation and batching
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import subprocess
@@ -146,6 +147,10 @@ HEAD_DIM = 32
 # default) the worker refuses to start on a machine whose free memory is less than that
 # share, and an explicit size also skips its warm-up pass (ready in ~35 s instead of ~90).
 KV_CACHE_BYTES = "64M"
+# The stock hidden-state connector's CPU subclass, imported by the server (on its PYTHONPATH).
+CPU_CONNECTOR_DIR = Path(__file__).resolve().parent / "vllm_cpu_connector"
+CPU_CONNECTOR_MODULE = "eagle3data_cpu_hidden_states"
+CPU_CONNECTOR_CLASS = "CPUHiddenStatesConnector"
 # vLLM's request ids as it logs them (and answers them, as the body's "id").
 _RECEIVED = re.compile(r"Received request (chatcmpl-[0-9a-f]+): params:")
 _ABORTED = re.compile(r"Request (chatcmpl-[0-9a-f]+) aborted\.")
@@ -230,6 +235,26 @@ def parse_request_log(text: str) -> RequestLog:
     return log
 
 
+@dataclass(frozen=True)
+class HiddenStateCapture:
+    """What makes a vLLM server capture hidden states: ``--speculative-config`` with vLLM's
+    ``extract_hidden_states`` method and the layer ids (HF ``hidden_states`` indices), and
+    ``--kv-transfer-config`` with the CPU connector (:data:`CPU_CONNECTOR_DIR`) writing into
+    ``storage``. The commands a user runs on GPUs: ``eagle3data.hidden_states.vllm_capture``."""
+
+    layer_ids: Sequence[int]
+    storage: Path
+
+    def server_args(self) -> dict[str, Any]:
+        from eagle3data.hidden_states.vllm_capture import kv_transfer_config, speculative_config
+
+        connector = {"module": CPU_CONNECTOR_MODULE, "name": CPU_CONNECTOR_CLASS}
+        return {
+            "speculative_config": json.dumps(speculative_config(self.layer_ids)),
+            "kv_transfer_config": json.dumps(kv_transfer_config(str(self.storage), connector)),
+        }
+
+
 class VLLMServer(WorkerServer):
     """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1, CPU, eager, as a
     context manager.
@@ -240,7 +265,9 @@ class VLLMServer(WorkerServer):
 
     ``reasoning_parser`` / ``tool_call_parser``: ``--reasoning-parser`` and
     ``--enable-auto-tool-choice --tool-call-parser`` (None: off); ``max_num_seqs``: requests
-    decoded together (the rest wait); ``extra_args``: more flags. The server leads its own
+    decoded together (the rest wait); ``capture``: a hidden-state capture server
+    (:class:`HiddenStateCapture`); ``extra_args``: more flags; ``extra_env``: more
+    environment. The server leads its own
     process group; leaving the block sends SIGTERM to the group, SIGKILL after
     ``stop_timeout`` seconds, and waits until no process of it is left.
     """
@@ -262,6 +289,8 @@ class VLLMServer(WorkerServer):
         reasoning_parser: str | None = "qwen3",
         tool_call_parser: str | None = "hermes",
         max_num_seqs: int = 4,
+        capture: HiddenStateCapture | None = None,
+        extra_env: Mapping[str, str] | None = None,
         **options: Unpack[ServerOptions],
     ) -> None:
         # startup_s: launch to the first /health 200; stop_s: SIGTERM to the last process
@@ -272,6 +301,8 @@ class VLLMServer(WorkerServer):
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
         self.max_num_seqs = max_num_seqs
+        self.capture = capture
+        self.extra_env = dict(extra_env or {})
 
     def command(self) -> list[str]:
         args: dict[str, Any] = {
@@ -290,6 +321,8 @@ class VLLMServer(WorkerServer):
             # "Received request <id>" and "Request <id> aborted." lines (RequestLog).
             "enable_log_requests": True,
         }
+        if self.capture is not None:
+            args.update(self.capture.server_args())
         module = "vllm.entrypoints.openai.api_server"  # the `vllm` script finds no `vllm` dist
         return [self.python, "-m", module, *server_flags(args), *self.extra_args]
 
@@ -304,6 +337,9 @@ class VLLMServer(WorkerServer):
         # decoded together, after 83 and 95 tokens), and a resumed run must equal an
         # uninterrupted one. With one thread the 8 agreed.
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(omp_cpu())
+        if self.capture is not None:
+            env["PYTHONPATH"] = str(CPU_CONNECTOR_DIR)  # the connector's module
+        env.update(self.extra_env)
         return env
 
     # -- what the server says ----------------------------------------------------------

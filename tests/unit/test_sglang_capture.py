@@ -468,7 +468,7 @@ def test_factory_builds_the_transformers_backend(tiny_model_dir):
 
 def test_factory_rejects_an_unknown_backend(model_dir):
     with pytest.raises(ValueError, match="must be one of"):
-        build_extractor(str(model_dir), hidden_cfg(backend="vllm"), "auto")
+        build_extractor(str(model_dir), hidden_cfg(backend="tensorrt-llm"), "auto")
 
 
 def test_without_sglang_installed_the_error_says_how_to_install_it(model_dir, monkeypatch):
@@ -501,9 +501,11 @@ def test_schema_accepts_the_sglang_backend_and_fills_its_defaults():
     }
     assert config["gpus"] == {"count": "auto", "lock_timeout_s": 600}
     assert config["generation"]["gpus_per_job"] == "auto"
+    from eagle3data.hidden_states.backends import BACKENDS
+
     assert yaml.safe_load(schema.read_text())["properties"]["hidden_states"]["properties"][
         "backend"
-    ]["enum"] == ["transformers", "sglang"]
+    ]["enum"] == list(BACKENDS)
 
 
 def test_transformers_backend_on_cpu_ignores_a_multi_gpu_count(tiny_model_dir):

@@ -7,7 +7,9 @@ the model dtype:
 
 * ``transformers`` (:mod:`.transformers_capture`): in-process forward with hooks, on the
   CPU, one GPU, or several (``device_map="auto"``);
-* ``sglang`` (:mod:`.sglang_capture`): SGLang's offline engine, tensor/expert parallel.
+* ``sglang`` (:mod:`.sglang_capture`): SGLang's offline engine, tensor/expert parallel;
+* ``vllm`` (:mod:`.vllm_capture`): a vLLM server the user runs, with vLLM's own
+  hidden-state extraction (any layout vLLM serves).
 
 Nothing heavy is imported until a backend is built (the job takes its GPUs first).
 """
@@ -26,7 +28,7 @@ from .settings import hidden_state_dtype
 if TYPE_CHECKING:
     import torch
 
-BACKENDS = ("transformers", "sglang")
+BACKENDS = ("transformers", "sglang", "vllm")
 
 
 class Extractor(Protocol):
@@ -58,9 +60,10 @@ def build_extractor(
     model_dtype: str,
     *,
     sglang_engine_factory: Callable[[Mapping[str, Any]], Any] | None = None,
+    job: str = "capture",
 ) -> Extractor:
     """The backend of ``hidden_cfg`` (the ``hidden_states`` config section, plus
-    ``trust_remote_code`` from ``model``)."""
+    ``trust_remote_code`` from ``model``); ``job`` names the job's requests to a server."""
     backend = hidden_cfg.get("backend", "transformers")
     common: dict[str, Any] = {
         "aux_layers": hidden_cfg["aux_layers"],
@@ -88,4 +91,8 @@ def build_extractor(
             engine_factory=sglang_engine_factory or start_engine,
             **common,
         )
+    if backend == "vllm":
+        from .vllm_capture import VLLMCapture
+
+        return VLLMCapture(model_path, options=hidden_cfg.get("vllm") or {}, job=job, **common)
     raise ValueError(f"hidden_states.backend must be one of {list(BACKENDS)}, got {backend!r}")

@@ -145,7 +145,7 @@ def extract_shard(
             f"(snakemake -R plan_shards)"
         )
     set_threads(threads)
-    extractor = build_extractor(model_path, hidden_cfg, model_dtype)
+    extractor = build_extractor(model_path, hidden_cfg, model_dtype, job=f"{dataset}-{shard}")
     dtype = dtype_name(extractor.dtype)
     ids = df["id"].to_list()
     input_ids = df["input_ids"].to_list()

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 # hidden_states.* keys that say how a shard is computed, not what it holds.
-EXECUTION_KEYS = ("gpus_per_job", "sglang")
+EXECUTION_KEYS = ("gpus_per_job", "sglang", "vllm")
 # Keys added after shards existed, and the default that keeps the old content.
 _LATER_DEFAULTS = {"storage_dtype": "auto", "final_state": "post_norm"}
 

@@ -30,6 +30,11 @@ Token ids: every request asks for ``return_token_ids`` (``generation.return_toke
 and the ids SGLang and vLLM return, the prompt as the server rendered and tokenized it and
 the completion as generated, become :attr:`Completion.prompt_ids` and ``completion_ids``
 (:func:`token_ids_of`); a server that returns none leaves them None.
+
+A vLLM capture server (``hidden_states.backend: vllm``) that also generates writes the
+hidden states of every generation request too, and names the file in
+``kv_transfer_params.hidden_states_path``: where that path is on this machine, the file is
+deleted as soon as vLLM has written it (:mod:`eagle3data.hidden_states.vllm_files`).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from tenacity import (
 )
 
 from ...errors import EngineUnavailable
+from ...hidden_states.vllm_files import discard_states
 from . import Completion, Message, Tools, TransientError, TurnFailure
 
 log = logging.getLogger(__name__)
@@ -393,6 +399,7 @@ class OpenAIEngine:
             if payload is None:
                 healthy = False
                 raise TransientError(f"{url}: HTTP 200 with a body that is not JSON")
+            await _discard_captured_states(payload)
             return self._completion(payload, url)
         except asyncio.CancelledError:
             healthy = None  # we hung up (a stop, or the budget is reached): no verdict
@@ -435,6 +442,14 @@ class OpenAIEngine:
             prompt_ids=ids[0] if ids else None,
             completion_ids=ids[1] if ids else None,
         )
+
+
+async def _discard_captured_states(payload: Any) -> None:
+    """Delete the hidden states a vLLM capture server wrote for a generation request."""
+    params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
+    path = params.get("hidden_states_path") if isinstance(params, dict) else None
+    if isinstance(path, str) and path:
+        await asyncio.to_thread(discard_states, path)
 
 
 def _calls_text(tool_calls: list[dict[str, Any]] | None) -> str:

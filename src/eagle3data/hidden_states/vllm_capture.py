@@ -1,0 +1,419 @@
+"""Hidden-state capture through a vLLM server's own extraction (vLLM >= 0.18).
+
+The server is one the user runs (``hidden_states.vllm.url``), started with vLLM's
+``extract_hidden_states`` speculative method and a hidden-state KV connector
+(:func:`serve_command` prints the flags for a config). vLLM then writes, for every request
+it finishes, one safetensors file into the connector's ``shared_storage_path``:
+``hidden_states`` ``[T, layers, H]`` and ``token_ids`` ``[T]``, and answers with its path in
+``kv_transfer_params.hidden_states_path``. The capture asks for the states of each
+conversation with ``POST /v1/completions`` (the token ids as the prompt, one new token),
+reads the file named in the answer (waiting on its ``.lock``, as vLLM's own reader does),
+checks it, and deletes it.
+
+Why a server the user runs rather than an engine per job: vLLM lays out tensor, pipeline,
+data and expert parallelism itself, across nodes, from its own flags; one server serves
+every shard job (a 1-T-parameter target loads once, not once per shard) and, when the user
+wants it, the generate stage as well. The price is that the job must read the server's
+files: it runs on the server's machine, or where its ``shared_storage_path`` is mounted.
+
+The layer ids are vLLM's: id ``k`` is transformers' ``hidden_states[k]`` (0 = embeddings),
+and the id equal to the number of layers is the last layer's output before the final norm.
+The capture asks for the three aux layers' indices and that one, so the shards hold the
+pre-norm final state natively; ``final_state: post_norm`` applies the target's own final
+norm (:mod:`.final_state`) here.
+
+What cannot be seen from the client is checked on a probe request before any work: that
+the server extracts at all, that its files are readable here, the number of layers (four),
+the width and the dtype. The layer ids themselves are in no answer: :func:`serve_command`
+writes them from the same config, and the validate job's agreement check would see a
+wrong final state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from .. import model_config
+from ..errors import VLLMCaptureError
+from ..generation.engines import TransientError
+from ..target import check_remote_code
+from ..torch_utils import TORCH_DTYPES
+from .final_state import FINAL_STATES, POST_NORM, PRE_NORM, load_final_norm
+from .layers import AuxLayers, resolve_aux_layers
+from .vllm_files import discard_states, read_states
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "url": None,
+    "model": None,
+    "max_in_flight": 32,
+    "request_timeout_s": 600.0,
+    "max_retries": 3,
+    "api_key_env": None,
+}
+_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# The prompt of the probe request: two tokens of any id the vocabulary has.
+_PROBE_IDS = [0, 1]
+
+
+def vllm_layer_ids(aux: AuxLayers) -> list[int]:
+    """``eagle_aux_hidden_state_layer_ids`` for ``aux``: the three aux layers as
+    ``hidden_states`` indices, then the number of layers (the pre-norm final state)."""
+    return [*aux.hidden_states_indices, aux.num_layers]
+
+
+def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` that captures ``layer_ids`` (vLLM's numbering)."""
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
+
+
+def kv_transfer_config(storage: str, connector: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` writing the states into ``storage``: vLLM's stock
+    connector, or ``connector`` (``{"name": class, "module": module path}``)."""
+    config: dict[str, Any] = {
+        "kv_connector": STOCK_CONNECTOR,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": storage},
+    }
+    if connector is not None:
+        config["kv_connector"] = connector["name"]
+        config["kv_connector_module_path"] = connector["module"]
+    return config
+
+
+def serve_command(
+    model: str, aux: AuxLayers, storage: str, *, extra: Sequence[str] = ()
+) -> list[str]:
+    """The ``vllm serve`` command of a capture server for ``aux``, writing to ``storage``."""
+    return [
+        "vllm",
+        "serve",
+        model,
+        "--speculative-config",
+        json.dumps(speculative_config(vllm_layer_ids(aux))),
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(storage)),
+        *extra,
+    ]
+
+
+def request_prefix(job: str) -> str:
+    """The request ids of one job's captures start with this (vLLM names each file after
+    its request, so a resumed job finds the files a killed attempt left behind)."""
+    return "eagle3data-" + re.sub(r"[^A-Za-z0-9_.-]", "_", job) + "-"
+
+
+def _error_text(status: int, text: str) -> str:
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return f"HTTP {status}: {text[:300]}"
+    error = payload.get("error", payload) if isinstance(payload, dict) else payload
+    message = error.get("message") if isinstance(error, dict) else None
+    return f"HTTP {status}: {message or text[:300]}"
+
+
+class VLLMCapture:
+    """An :class:`~.backends.Extractor` on a vLLM capture server."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        aux_layers: str | Sequence[int] = "auto",
+        convention: str = "layer_output",
+        dtype: str = "auto",
+        options: Mapping[str, Any] | None = None,
+        trust_remote_code: bool = False,
+        final_state: str = PRE_NORM,
+        job: str = "capture",
+    ) -> None:
+        check_remote_code(model_path, trust_remote_code)
+        if final_state not in FINAL_STATES:
+            raise VLLMCaptureError(
+                f"hidden_states.final_state must be one of {list(FINAL_STATES)}, "
+                f"got {final_state!r}"
+            )
+        opts = {**DEFAULT_OPTIONS, **(options or {})}
+        if not opts["url"]:
+            raise VLLMCaptureError(
+                "hidden_states.backend is vllm but hidden_states.vllm.url is not set: name the "
+                "capture server's OpenAI base URL, e.g. http://gpu-node-1:8000/v1"
+            )
+        config = model_config.read_model_config(model_path)
+        self.aux: AuxLayers = resolve_aux_layers(
+            aux_layers, model_config.num_hidden_layers(config), convention
+        )
+        self.hidden_size = model_config.hidden_size(config)
+        self.dtype: torch.dtype = TORCH_DTYPES[model_config.resolve_dtype_name(dtype, config)]
+        self.final_state = final_state
+        self.layer_ids = vllm_layer_ids(self.aux)
+        self.url = str(opts["url"]).rstrip("/")
+        self.options = opts
+        self.model_path = model_path
+        self.prefix = request_prefix(job)
+        self._count = 0
+        self._norm = (
+            load_final_norm(model_path, dtype=self.dtype, trust_remote_code=trust_remote_code)
+            if final_state == POST_NORM
+            else None
+        )
+        self._loop = asyncio.new_event_loop()
+        self._session: aiohttp.ClientSession | None = None
+        try:
+            self.model_name, self.max_model_len = self._loop.run_until_complete(self._start())
+            self.storage = self._probe()
+        except BaseException:
+            self.close()
+            raise
+        log.info(
+            "vllm capture server %s (model %s, max_model_len %s): layers %s (aux layer outputs "
+            "%s, then the pre-norm final state), files in %s",
+            self.url,
+            self.model_name,
+            self.max_model_len,
+            self.layer_ids,
+            list(self.aux.layer_ids),
+            self.storage,
+        )
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def _serve_hint(self) -> str:
+        command = serve_command(self.model_path, self.aux, "/path/on/a/disk/the/job/reads")
+        return "start it as: " + shlex.join(command)
+
+    async def _start(self) -> tuple[str, int | None]:
+        headers = {"Content-Type": "application/json"}
+        if self.options["api_key_env"]:
+            key = os.environ.get(self.options["api_key_env"])
+            if not key:
+                raise VLLMCaptureError(
+                    f"hidden_states.vllm.api_key_env names {self.options['api_key_env']}, "
+                    f"which is not set"
+                )
+            headers["Authorization"] = f"Bearer {key}"
+        self._session = aiohttp.ClientSession(
+            headers=headers,
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=float(self.options["request_timeout_s"])),
+        )
+        url = f"{self.url}/models"
+        try:
+            async with self._session.get(url) as resp:
+                text = await resp.text()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise VLLMCaptureError(
+                f"hidden_states.vllm.url: GET {url} failed ({type(exc).__name__}: {exc}); "
+                f"is the capture server up? {self._serve_hint()}"
+            ) from None
+        if status != 200:
+            raise VLLMCaptureError(f"GET {url} -> {_error_text(status, text)}")
+        models = [m for m in json.loads(text).get("data", []) if isinstance(m, dict)]
+        wanted = self.options["model"]
+        if wanted is None and len(models) == 1:
+            chosen = models[0]
+        else:
+            chosen = next((m for m in models if m.get("id") == wanted), None)
+            if chosen is None:
+                names = [m.get("id") for m in models]
+                raise VLLMCaptureError(
+                    f"{self.url} serves {names}; set hidden_states.vllm.model to the target's "
+                    f"name there"
+                    if wanted is None
+                    else f"{self.url} serves {names}, not hidden_states.vllm.model {wanted!r}"
+                )
+        return str(chosen["id"]), chosen.get("max_model_len")
+
+    def _probe(self) -> str:
+        """Capture two tokens and check the answer; the server's storage folder."""
+        path, tensors = self._loop.run_until_complete(self._capture(_PROBE_IDS, probe=True))
+        storage = Path(path).parent
+        # Files of this job's killed attempt: its requests still finished and were saved.
+        for stale in storage.glob(f"cmpl-{self.prefix}*.safetensors"):
+            discard_states(str(stale))
+        states = tensors["hidden_states"]
+        expected = (len(_PROBE_IDS), len(self.layer_ids), self.hidden_size)
+        if tuple(states.shape) != expected:
+            got = tuple(states.shape)
+            if got[1:2] != expected[1:2]:
+                problem = f"{got[1]} layers, not the {len(self.layer_ids)} ({self.layer_ids})"
+            else:
+                problem = f"width {got[2]}, not the target's hidden size {self.hidden_size}"
+            raise VLLMCaptureError(
+                f"{self.url} captured states of shape {list(got)}: {problem} this config "
+                f"needs; {self._serve_hint()}"
+            )
+        if states.dtype != self.dtype:
+            raise VLLMCaptureError(
+                f"{self.url} computes in {str(states.dtype).removeprefix('torch.')}, but "
+                f"hidden_states.dtype is {str(self.dtype).removeprefix('torch.')}: start the "
+                f"server with --dtype {str(self.dtype).removeprefix('torch.')}, or set "
+                f"hidden_states.dtype to the server's"
+            )
+        return str(storage)
+
+    # -- capture -------------------------------------------------------------------------
+
+    async def _post(self, ids: Sequence[int], request_id: str) -> str:
+        """The path of the states of ``ids``, as the server answers it."""
+        assert self._session is not None
+        body = {
+            "model": self.model_name,
+            "prompt": list(ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "request_id": request_id,
+        }
+        url = f"{self.url}/completions"
+        try:
+            async with self._session.post(url, json=body) as resp:
+                text = await resp.text()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise TransientError(f"POST {url}: {type(exc).__name__}: {exc}") from exc
+        if status in _RETRY_STATUS:
+            raise TransientError(f"POST {url} -> {_error_text(status, text)}")
+        if status != 200:
+            raise VLLMCaptureError(f"POST {url} ({len(ids)} tokens) -> {_error_text(status, text)}")
+        params = json.loads(text).get("kv_transfer_params") or {}
+        path = params.get("hidden_states_path")
+        if not path:
+            raise VLLMCaptureError(
+                f"{self.url} answered without kv_transfer_params.hidden_states_path: it does "
+                f"not extract hidden states; {self._serve_hint()}"
+            )
+        return str(path)
+
+    async def _capture(
+        self, ids: Sequence[int], *, probe: bool = False
+    ) -> tuple[str, dict[str, torch.Tensor]]:
+        self._count += 1
+        request_id = f"{self.prefix}{'probe' if probe else self._count}"
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(TransientError),
+            stop=stop_after_attempt(int(self.options["max_retries"]) + 1),
+            wait=wait_exponential(multiplier=1, max=30),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    path = await self._post(ids, request_id)
+        except TransientError as exc:
+            raise VLLMCaptureError(f"{exc} (after {self.options['max_retries']} retries)") from None
+        try:
+            tensors = await asyncio.to_thread(read_states, path)
+        except FileNotFoundError:
+            raise VLLMCaptureError(
+                f"the server wrote the states to {path}, which this job cannot read: run the "
+                f"hidden_states jobs where the server's shared_storage_path is (same machine "
+                f"or a shared filesystem)"
+            ) from None
+        finally:
+            await asyncio.to_thread(discard_states, path)
+        token_ids = tensors["token_ids"].tolist()
+        if token_ids != list(ids):
+            raise VLLMCaptureError(
+                f"{path} holds the states of other tokens than the {len(ids)} asked for "
+                f"(first {token_ids[:8]} vs {list(ids)[:8]})"
+            )
+        return path, tensors
+
+    async def _capture_all(self, samples: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        limit = asyncio.Semaphore(int(self.options["max_in_flight"]))
+
+        async def one(ids: Sequence[int]) -> torch.Tensor:
+            async with limit:
+                _, tensors = await self._capture(ids)
+            return tensors["hidden_states"]
+
+        tasks = [asyncio.ensure_future(one(ids)) for ids in samples]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    def forward(self, samples: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        states = self._loop.run_until_complete(self._capture_all(samples))
+        out = []
+        for rows in states:
+            tokens = rows.shape[0]
+            aux = rows[:, :3, :].reshape(tokens, 3 * self.hidden_size)
+            last = rows[:, 3, :]
+            if self._norm is not None:
+                last = self._norm(last)
+            out.append((aux.contiguous(), last.contiguous()))
+        return out
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        if self._session is not None:
+            self._loop.run_until_complete(self._session.close())
+            self._session = None
+        self._loop.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the ``vllm serve`` command of a capture server for a workflow config."""
+    import argparse
+    import sys
+
+    from ..config import load_config
+
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle3data.hidden_states.vllm_capture",
+        description=(
+            "Print the `vllm serve` command of the capture server the hidden_states jobs of "
+            "CONFIG need (backend: vllm): the model, its aux layers and the pre-norm final "
+            "state, vLLM's stock hidden-state connector writing to STORAGE. Arguments after "
+            "-- are appended (parallel layout, --dtype, --port, ...)."
+        ),
+    )
+    parser.add_argument("--config", type=Path, default=Path("config/config.yaml"))
+    parser.add_argument(
+        "--storage", required=True, help="folder vLLM writes into; the jobs must read it"
+    )
+    parser.add_argument("--model", help="the model path on the server (default: model.path)")
+    parser.add_argument("extra", nargs="*", help="more vllm serve arguments (after --)")
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
+    hidden = config["hidden_states"]
+    model_path = config["model"]["path"]
+    depth = model_config.num_hidden_layers(model_config.read_model_config(model_path))
+    aux = resolve_aux_layers(hidden["aux_layers"], depth, hidden["aux_layer_convention"])
+    extra = list(args.extra)
+    if config["model"].get("trust_remote_code") and "--trust-remote-code" not in extra:
+        extra.append("--trust-remote-code")
+    command = serve_command(args.model or model_path, aux, str(args.storage), extra=extra)
+    sys.stdout.write(shlex.join(command) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""The files vLLM's hidden-state connector writes: read one once it is whole, delete one.
+
+vLLM's ``ExampleHiddenStatesConnector`` (and its subclasses) writes
+``{shared_storage_path}/{request id}.safetensors`` in a writer thread after the request
+has been answered, holding an exclusive ``flock`` on ``{path}.lock`` from before the answer
+until the file is written. Readers take a shared lock on it first (vLLM's own
+``load_hidden_states`` does the same); this module imports neither vLLM nor torch until
+a file is read, so the generate stage can delete the files of a capture server it
+generates with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def read_states(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a file the connector wrote, once it is whole: the connector holds
+    an exclusive lock on ``{path}.lock`` until it has written the file."""
+    from safetensors.torch import load_file
+
+    lock = path + ".lock"
+    try:
+        with open(lock) as held:
+            fcntl.flock(held, fcntl.LOCK_SH)  # sleeps until the writer lets go
+            return load_file(path, device="cpu")
+    except FileNotFoundError:
+        if not os.path.exists(path):
+            raise
+        return load_file(path, device="cpu")
+
+
+def discard_states(path: str) -> None:
+    """Delete a file the connector wrote and its lock, once the write is over (deleting
+    it while the writer is still at it would leave the file behind)."""
+    lock = path + ".lock"
+    try:
+        with open(lock) as held:
+            fcntl.flock(held, fcntl.LOCK_SH)
+            _unlink(path)
+        _unlink(lock)
+    except FileNotFoundError:
+        _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

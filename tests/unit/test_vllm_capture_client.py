@@ -1,0 +1,302 @@
+"""The vllm capture backend's pieces that need no vLLM: the flags it asks the server for,
+the serve command it prints, the connector files (read once whole, deleted after the
+writer), and what it says, before any work, about a server that does not capture as the
+config needs. The server side is real vLLM in ``tests/vllm/test_vllm_capture.py``; the
+stand-in here answers only what real vLLM 0.32 was seen to answer (``tests/data/vllm/``:
+``kv_transfer_params`` null without a connector; the connector's file layout)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shlex
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from aiohttp import web
+from safetensors.torch import save_file
+from support.target_models import make_llama_dir
+
+from eagle3data.errors import VLLMCaptureError
+from eagle3data.hidden_states.layers import resolve_aux_layers
+from eagle3data.hidden_states.vllm_capture import (
+    VLLMCapture,
+    kv_transfer_config,
+    main,
+    request_prefix,
+    speculative_config,
+    vllm_layer_ids,
+)
+from eagle3data.hidden_states.vllm_files import discard_states, read_states
+
+RECORDED = Path(__file__).resolve().parents[1] / "data" / "vllm"
+
+
+def test_layer_ids_are_hidden_states_indices_then_the_pre_norm_final_state() -> None:
+    aux = resolve_aux_layers("auto", 61, "layer_output")  # Kimi-K2.5's depth
+    assert list(aux.layer_ids) == [1, 29, 57]
+    assert vllm_layer_ids(aux) == [2, 30, 58, 61]
+    spec = speculative_config(vllm_layer_ids(aux))
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        2,
+        30,
+        58,
+        61,
+    ]
+    stock = kv_transfer_config("/data/hs")
+    assert stock["kv_connector"] == "ExampleHiddenStatesConnector"
+    assert stock["kv_connector_extra_config"] == {"shared_storage_path": "/data/hs"}
+    assert "kv_connector_module_path" not in stock
+
+
+def test_the_schema_fills_the_vllm_options_and_the_jobs_take_no_gpu() -> None:
+    from eagle3data.config import PACKAGE_SCHEMA, validate_config
+    from eagle3data.gpu_slots import job_gpus
+
+    config = validate_config(
+        {
+            "model": {"path": "m"},
+            "datasets": {"A": {"path": "x.jsonl"}},
+            "hidden_states": {"backend": "vllm", "vllm": {"url": "http://h:8000/v1"}},
+            "gpus": {"count": 8},
+        },
+        PACKAGE_SCHEMA,
+    )
+    assert config["hidden_states"]["vllm"] == {
+        "url": "http://h:8000/v1",
+        "model": None,
+        "max_in_flight": 32,
+        "request_timeout_s": 600,
+        "max_retries": 3,
+        "api_key_env": None,
+    }
+    assert job_gpus(config, "hidden_states") == 0  # the server owns the GPUs
+
+
+def test_without_a_url_the_job_says_which_key_to_set(tmp_path: Path) -> None:
+    model = make_llama_dir(tmp_path / "llama")
+    with pytest.raises(VLLMCaptureError, match=r"hidden_states\.vllm\.url is not set"):
+        VLLMCapture(str(model))
+
+
+def test_request_ids_are_safe_and_name_the_job() -> None:
+    assert request_prefix("my data/set-3") == "eagle3data-my_data_set-3-"
+
+
+def test_the_serve_command_comes_from_the_config(tmp_path: Path, capsys: Any) -> None:
+    model = make_llama_dir(tmp_path / "llama")
+    config = {
+        "model": {"path": str(model), "trust_remote_code": True},
+        "datasets": {"A": {"path": "x.jsonl"}},
+        "hidden_states": {"backend": "vllm", "aux_layers": [2, 3, 5]},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["--config", str(path), "--storage", "/data/hs", "--", "-tp", "8"]) == 0
+    args = shlex.split(capsys.readouterr().out)
+    assert args[:3] == ["vllm", "serve", str(model)]
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        3,
+        4,
+        6,
+        8,
+    ]
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == "/data/hs"
+    assert args[-3:] == ["-tp", "8", "--trust-remote-code"]
+
+
+# --- the connector's files ------------------------------------------------------------------
+
+
+def write_like_the_connector(path: Path, states: torch.Tensor, ids: list[int]) -> None:
+    save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, str(path))
+
+
+def test_a_file_is_read_only_once_the_writer_lets_go(tmp_path: Path) -> None:
+    path = tmp_path / "cmpl-x-0-abc.safetensors"
+    lock = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # as vLLM's worker holds it before answering
+    states = torch.randn(5, 4, 8)
+
+    def writer() -> None:
+        time.sleep(0.3)
+        write_like_the_connector(path, states, [1, 2, 3, 4, 5])
+        os.close(lock)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    started = time.monotonic()
+    got = read_states(str(path))
+    assert time.monotonic() - started >= 0.25
+    thread.join()
+    assert torch.equal(got["hidden_states"], states)
+    discard_states(str(path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_discarding_a_file_being_written_waits_for_the_writer(tmp_path: Path) -> None:
+    path = tmp_path / "cmpl-y-0-abc.safetensors"
+    lock = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+
+    def writer() -> None:
+        time.sleep(0.2)
+        write_like_the_connector(path, torch.zeros(2, 4, 8), [1, 2])
+        os.close(lock)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    discard_states(str(path))  # before the file exists: deleting then would leave it behind
+    thread.join()
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- a stand-in server ------------------------------------------------------------------------
+
+
+class StandIn:
+    """``/v1/models`` and ``/v1/completions`` as vLLM answers them, writing the connector's
+    file with ``shape``/``dtype`` (``None``: no connector, ``kv_transfer_params`` null)."""
+
+    def __init__(
+        self,
+        storage: Path | None,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        *,
+        elsewhere: bool = False,
+    ) -> None:
+        self.storage, self.shape, self.dtype = storage, shape, dtype
+        self.elsewhere = elsewhere  # the file is not where this job can read it
+
+    async def models(self, request: web.Request) -> web.Response:
+        recorded = json.loads((RECORDED / "models.json").read_text())
+        return web.json_response(recorded["response"])
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        ids = body["prompt"]
+        params = None
+        if self.storage is not None:
+            path = self.storage / f"cmpl-{body['request_id']}-0-1234abcd.safetensors"
+            layers, width = self.shape
+            write_like_the_connector(
+                path, torch.zeros(len(ids), layers, width, dtype=self.dtype), ids
+            )
+            if self.elsewhere:
+                path.unlink()
+            params = {"hidden_states_path": str(path)}
+        return web.json_response(
+            {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "choices": [],
+                "kv_transfer_params": params,
+            }
+        )
+
+
+@pytest.fixture
+def stand_in() -> Iterator[Any]:
+    servers: list[Any] = []
+
+    def start(server: StandIn) -> str:
+        import asyncio
+
+        loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_get("/v1/models", server.models)
+        app.router.add_post("/v1/completions", server.completions)
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        servers.append((loop, runner, thread))
+        return f"http://127.0.0.1:{port}/v1"
+
+    yield start
+    for loop, runner, thread in servers:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+
+
+def capture_error(model: Path, url: str, **kw: Any) -> str:
+    with pytest.raises(VLLMCaptureError) as caught:
+        VLLMCapture(str(model), dtype="float32", options={"url": url}, **kw)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.fixture
+def llama(tmp_path: Path) -> Path:
+    return make_llama_dir(tmp_path / "llama")  # 8 layers, width 64
+
+
+def test_a_server_without_the_connector_is_refused_with_the_command(
+    llama: Path, stand_in: Any
+) -> None:
+    message = capture_error(llama, stand_in(StandIn(None, (4, 64), torch.float32)))
+    assert "does not extract hidden states" in message
+    assert "vllm serve" in message and '"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]' in message
+
+
+def test_a_server_capturing_other_layers_or_widths_is_refused(
+    llama: Path, tmp_path: Path, stand_in: Any
+) -> None:
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    fewer = capture_error(llama, stand_in(StandIn(storage, (3, 64), torch.float32)))
+    assert "3 layers, not the 4 ([2, 4, 5, 8])" in fewer
+    wider = capture_error(llama, stand_in(StandIn(storage, (4, 128), torch.float32)))
+    assert "width 128, not the target's hidden size 64" in wider
+    assert list(storage.iterdir()) == []  # the probe's files are gone
+
+
+def test_files_this_job_cannot_read_are_named(llama: Path, tmp_path: Path, stand_in: Any) -> None:
+    storage = tmp_path / "on-the-server"
+    storage.mkdir()
+    message = capture_error(
+        llama, stand_in(StandIn(storage, (4, 64), torch.float32, elsewhere=True))
+    )
+    assert "which this job cannot read" in message and "shared_storage_path" in message
+
+
+def test_a_killed_attempts_files_are_deleted_at_start(
+    llama: Path, tmp_path: Path, stand_in: Any
+) -> None:
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    prefix = request_prefix("A1-0")
+    stale = storage / f"cmpl-{prefix}7-0-deadbeef.safetensors"
+    write_like_the_connector(stale, torch.zeros(3, 4, 64), [1, 2, 3])
+    other = storage / f"cmpl-{request_prefix('A1-1')}7-0-deadbeef.safetensors"
+    write_like_the_connector(other, torch.zeros(3, 4, 64), [1, 2, 3])
+    url = stand_in(StandIn(storage, (4, 64), torch.float32))
+    capture = VLLMCapture(str(llama), dtype="float32", options={"url": url}, job="A1-0")
+    try:
+        assert sorted(p.name for p in storage.iterdir()) == [other.name]  # another job's kept
+        states = capture.forward([[5, 6, 7], [8, 9]])
+        assert [(a.shape, last.shape) for a, last in states] == [
+            (torch.Size([3, 192]), torch.Size([3, 64])),
+            (torch.Size([2, 192]), torch.Size([2, 64])),
+        ]
+    finally:
+        capture.close()
+    assert sorted(p.name for p in storage.iterdir()) == [other.name]

@@ -56,10 +56,9 @@ MANIFEST = f"{RESULTS}/manifest.json"
 SHARD_LOG = f"logs/hidden_states/{DATASET}"
 # The tiny targets' 8 layers: the EAGLE-3 default aux layers (outputs 1, 3, 4).
 AUX = resolve_aux_layers("auto", 8, "layer_output")
-# vLLM's CPU attention runs bf16 through AMX kernels wherever torch reports AMX; on a VM
-# that advertises it without granting it the worker dies of SIGILL at the first request
-# (seen on this workplace's Intel machines). float32 takes the portable kernels, and is
-# what the states are compared with.
+# In bf16 a capture server's worker died of SIGILL at its first request on this workplace's
+# Intel VMs (AMX advertised, not granted: vLLM's CPU attention takes AMX kernels for bf16
+# there); float32 takes the portable kernels, and is what the states are compared with.
 DTYPE = "float32"
 PROMPTS = 16
 # Cosine of every token's state to the float32 transformers forward.

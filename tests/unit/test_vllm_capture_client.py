@@ -300,3 +300,10 @@ def test_a_killed_attempts_files_are_deleted_at_start(
     finally:
         capture.close()
     assert sorted(p.name for p in storage.iterdir()) == [other.name]
+
+
+def test_a_server_that_is_not_up_is_named_with_the_command(llama: Path) -> None:
+    from support.local_server import free_port
+
+    message = capture_error(llama, f"http://127.0.0.1:{free_port()}/v1")
+    assert "is the capture server up?" in message and "vllm serve" in message

@@ -49,10 +49,16 @@ from support.target_models import (
     make_kimi_dir,
     make_llama_dir,
 )
-from support.workflow import Workflow, kill_group, new_workflow, sharegpt_prompts, write_prompts
+from support.workflow import (
+    Workflow,
+    kill_group,
+    new_workflow,
+    read_shard_states,
+    sharegpt_prompts,
+    write_prompts,
+)
 
 from eagle3data.hidden_states.engine_processes import descendants
-from eagle3data.shards import open_shard
 
 DATASET = "A1"
 RESULTS = f"results/hidden_states/{DATASET}"
@@ -175,21 +181,11 @@ class Target:
         return "".join(p.read_text() for p in sorted(self.wf.path(SHARD_LOG).glob("*.log")))
 
     def collect(self, name: str) -> Round:
-        shards, states, layers, final_state = {}, {}, [], ""
-        for path in sorted(self.wf.path(RESULTS).glob("shard-*.h5")):
-            shards[path.name] = path.read_bytes()
-            with open_shard(path) as shard:
-                layers = [int(k) for k in shard.attrs["aux_layer_ids"]]
-                final_state = shard.attrs["final_state"]
-                for i in range(shard.num_samples):
-                    s = shard.sample(i)
-                    states[s["id"]] = (
-                        torch.from_numpy(s["aux_hidden_states"]).float(),
-                        torch.from_numpy(s["last_hidden_states"]).float(),
-                        [int(t) for t in s["input_ids"]],
-                    )
+        read = read_shard_states(self.wf.path(RESULTS))
         manifest = json.loads(self.wf.path(MANIFEST).read_text())
-        return Round(name, shards, states, layers, manifest, self.logs(), final_state)
+        return Round(
+            name, read.shards, read.states, read.layers, manifest, self.logs(), read.final_state
+        )
 
 
 def llama_reference(model_dir: Path) -> Callable[[], torch.nn.Module]:

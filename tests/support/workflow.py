@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +206,36 @@ def new_workflow(
     for section, values in overrides.items():
         config.setdefault(section, {}).update(values)
     return Workflow(root, config)
+
+
+@dataclass
+class ShardStates:
+    """What a dataset's shards hold: each file's bytes, each sample's states (float32) and
+    ids, the aux layer ids and the final state they record."""
+
+    shards: dict[str, bytes]
+    states: dict[str, tuple[Any, Any, list[int]]]  # id -> (aux [T, 3H], last [T, H], input ids)
+    layers: list[int]
+    final_state: str
+
+
+def read_shard_states(directory: Path) -> ShardStates:
+    """Every ``shard-*.h5`` under ``directory`` (results/hidden_states/{dataset})."""
+    import torch
+
+    from eagle3data.shards import open_shard
+
+    read = ShardStates({}, {}, [], "")
+    for path in sorted(directory.glob("shard-*.h5")):
+        read.shards[path.name] = path.read_bytes()
+        with open_shard(path) as shard:
+            read.layers = [int(k) for k in shard.attrs["aux_layer_ids"]]
+            read.final_state = shard.attrs["final_state"]
+            for i in range(shard.num_samples):
+                s = shard.sample(i)
+                read.states[s["id"]] = (
+                    torch.from_numpy(s["aux_hidden_states"]).float(),
+                    torch.from_numpy(s["last_hidden_states"]).float(),
+                    [int(t) for t in s["input_ids"]],
+                )
+    return read

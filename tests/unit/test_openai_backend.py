@@ -427,14 +427,14 @@ def test_error_messages_of_both_body_shapes_are_recorded(tmp_path: Path, style: 
 
 
 def test_sglang_error_bodies_give_their_message() -> None:
-    from eagle3data.generation.engines.openai_engine import _error_message
+    from eagle3data.generation.engines.openai_engine import error_message
 
     flat = {"object": "error", "message": "too long", "type": "BadRequestError", "code": 400}
-    assert _error_message(flat, "") == "too long"
-    assert _error_message({"error": {"message": "nested"}}, "") == "nested"
-    assert _error_message({"error": "Unauthorized"}, '{"error":"Unauthorized"}') == "Unauthorized"
-    assert _error_message({"detail": "Not Found"}, "") == "Not Found"
-    assert _error_message(None, "<html>bad gateway</html>") == "<html>bad gateway</html>"
+    assert error_message(flat, "") == "too long"
+    assert error_message({"error": {"message": "nested"}}, "") == "nested"
+    assert error_message({"error": "Unauthorized"}, '{"error":"Unauthorized"}') == "Unauthorized"
+    assert error_message({"detail": "Not Found"}, "") == "Not Found"
+    assert error_message(None, "<html>bad gateway</html>") == "<html>bad gateway</html>"
 
 
 def _engine(**settings: object) -> OpenAIEngine:

@@ -249,6 +249,14 @@ def llama(tmp_path: Path) -> Path:
     return make_llama_dir(tmp_path / "llama")  # 8 layers, width 64
 
 
+@pytest.fixture
+def storage(tmp_path: Path) -> Path:
+    """The stand-in server's shared_storage_path."""
+    folder = tmp_path / "storage"
+    folder.mkdir()
+    return folder
+
+
 def test_a_server_without_the_connector_is_refused_with_the_command(
     llama: Path, stand_in: Any
 ) -> None:
@@ -258,10 +266,8 @@ def test_a_server_without_the_connector_is_refused_with_the_command(
 
 
 def test_a_server_capturing_other_layers_or_widths_is_refused(
-    llama: Path, tmp_path: Path, stand_in: Any
+    llama: Path, storage: Path, stand_in: Any
 ) -> None:
-    storage = tmp_path / "storage"
-    storage.mkdir()
     fewer = capture_error(llama, stand_in(StandIn(storage, (3, 64), torch.float32)))
     assert "3 layers, not the 4 ([2, 4, 5, 8])" in fewer
     wider = capture_error(llama, stand_in(StandIn(storage, (4, 128), torch.float32)))
@@ -269,9 +275,7 @@ def test_a_server_capturing_other_layers_or_widths_is_refused(
     assert list(storage.iterdir()) == []  # the probe's files are gone
 
 
-def test_files_this_job_cannot_read_are_named(llama: Path, tmp_path: Path, stand_in: Any) -> None:
-    storage = tmp_path / "on-the-server"
-    storage.mkdir()
+def test_files_this_job_cannot_read_are_named(llama: Path, storage: Path, stand_in: Any) -> None:
     message = capture_error(
         llama, stand_in(StandIn(storage, (4, 64), torch.float32, elsewhere=True))
     )
@@ -279,10 +283,8 @@ def test_files_this_job_cannot_read_are_named(llama: Path, tmp_path: Path, stand
 
 
 def test_a_killed_attempts_files_are_deleted_at_start(
-    llama: Path, tmp_path: Path, stand_in: Any
+    llama: Path, storage: Path, stand_in: Any
 ) -> None:
-    storage = tmp_path / "storage"
-    storage.mkdir()
     prefix = request_prefix("A1-0")
     stale = storage / f"cmpl-{prefix}7-0-deadbeef.safetensors"
     write_like_the_connector(stale, torch.zeros(3, 4, 64), [1, 2, 3])

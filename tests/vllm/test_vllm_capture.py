@@ -42,13 +42,19 @@ from support.target_models import (
     make_qwen3_dir,
 )
 from support.vllm_server import HEAD_DIM, HiddenStateCapture, VLLMServer
-from support.workflow import Workflow, kill_group, new_workflow, sharegpt_prompts, write_prompts
+from support.workflow import (
+    Workflow,
+    kill_group,
+    new_workflow,
+    read_shard_states,
+    sharegpt_prompts,
+    write_prompts,
+)
 
 from eagle3data.errors import VLLMCaptureError
 from eagle3data.hidden_states.layers import resolve_aux_layers
 from eagle3data.hidden_states.vllm_capture import VLLMCapture, vllm_layer_ids
 from eagle3data.model_config import num_hidden_layers, read_model_config
-from eagle3data.shards import open_shard
 
 DATASET = "A1"
 RESULTS = f"results/hidden_states/{DATASET}"
@@ -110,21 +116,10 @@ class Round:
 
 
 def collect(wf: Workflow, name: str, server: VLLMServer) -> Round:
-    shards, states, final_state = {}, {}, ""
-    for path in sorted(wf.path(RESULTS).glob("shard-*.h5")):
-        shards[path.name] = path.read_bytes()
-        with open_shard(path) as shard:
-            final_state = shard.attrs["final_state"]
-            assert [int(k) for k in shard.attrs["aux_layer_ids"]] == list(AUX.layer_ids)
-            for i in range(shard.num_samples):
-                s = shard.sample(i)
-                states[s["id"]] = (
-                    torch.from_numpy(s["aux_hidden_states"]).float(),
-                    torch.from_numpy(s["last_hidden_states"]).float(),
-                    [int(t) for t in s["input_ids"]],
-                )
+    read = read_shard_states(wf.path(RESULTS))
+    assert read.layers == list(AUX.layer_ids)
     logs = "".join(p.read_text() for p in sorted(wf.path(SHARD_LOG).glob("*.log")))
-    return Round(name, shards, states, final_state, logs, leftovers(server))
+    return Round(name, read.shards, read.states, read.final_state, logs, leftovers(server))
 
 
 def capture_settings(server: VLLMServer, **more: Any) -> dict[str, Any]:

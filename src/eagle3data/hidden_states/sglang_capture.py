@@ -53,10 +53,11 @@ from ..errors import SGLangCaptureError
 from ..target import check_remote_code
 from ..torch_utils import TORCH_DTYPES
 from . import handoff
+from .backends import read_engine_target
 from .engine_processes import EngineWatch, descendants, process_keys, shm_files
 from .engine_reaper import Reaper
-from .final_state import FINAL_STATES, POST_NORM, PRE_NORM
-from .layers import AuxLayers, resolve_aux_layers
+from .final_state import POST_NORM, PRE_NORM
+from .layers import AuxLayers
 
 log = logging.getLogger(__name__)
 
@@ -488,11 +489,14 @@ class SGLangCapture:
         final_state: str = PRE_NORM,
     ) -> None:
         check_remote_code(model_path, trust_remote_code)
-        if final_state not in FINAL_STATES:
-            raise SGLangCaptureError(
-                f"hidden_states.final_state must be one of {list(FINAL_STATES)}, "
-                f"got {final_state!r}"
-            )
+        target = read_engine_target(
+            model_path,
+            aux_layers=aux_layers,
+            convention=convention,
+            dtype=dtype,
+            final_state=final_state,
+            error=SGLangCaptureError,
+        )
         self.final_state = final_state
         opts = {**DEFAULT_OPTIONS, **(options or {})}
         if opts["handoff"] not in HANDOFFS:
@@ -500,11 +504,10 @@ class SGLangCapture:
                 f"hidden_states.sglang.handoff must be one of {list(HANDOFFS)}, "
                 f"got {opts['handoff']!r}"
             )
-        config = model_config.read_model_config(model_path)
-        depth = model_config.num_hidden_layers(config)
-        self.aux: AuxLayers = resolve_aux_layers(aux_layers, depth, convention)
-        self.hidden_size = model_config.hidden_size(config)
-        dtype_name = model_config.resolve_dtype_name(dtype, config)
+        config = target.config
+        self.aux: AuxLayers = target.aux
+        self.hidden_size = target.hidden_size
+        dtype_name = target.dtype_name
         self.dtype: torch.dtype = TORCH_DTYPES[dtype_name]
         self.engine: Any = None
         self.reader: handoff.RowsReader | None = None

@@ -47,9 +47,11 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from .. import model_config
 from ..errors import VLLMCaptureError
 from ..generation.engines import TransientError
+from ..generation.engines.openai_engine import RETRY_STATUS, error_message, json_or_none
 from ..target import check_remote_code
 from ..torch_utils import TORCH_DTYPES
-from .final_state import FINAL_STATES, POST_NORM, PRE_NORM, load_final_norm
+from .backends import read_engine_target
+from .final_state import POST_NORM, PRE_NORM, load_final_norm
 from .layers import AuxLayers, resolve_aux_layers
 from .vllm_files import discard_states, read_states
 
@@ -67,7 +69,6 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "max_retries": 3,
     "api_key_env": None,
 }
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # The prompt of the probe request: two tokens of any id the vocabulary has.
 _PROBE_IDS = [0, 1]
 
@@ -124,13 +125,7 @@ def request_prefix(job: str) -> str:
 
 
 def _error_text(status: int, text: str) -> str:
-    try:
-        payload = json.loads(text)
-    except ValueError:
-        return f"HTTP {status}: {text[:300]}"
-    error = payload.get("error", payload) if isinstance(payload, dict) else payload
-    message = error.get("message") if isinstance(error, dict) else None
-    return f"HTTP {status}: {message or text[:300]}"
+    return f"HTTP {status}: {error_message(json_or_none(text), text)}"
 
 
 class VLLMCapture:
@@ -149,23 +144,23 @@ class VLLMCapture:
         job: str = "capture",
     ) -> None:
         check_remote_code(model_path, trust_remote_code)
-        if final_state not in FINAL_STATES:
-            raise VLLMCaptureError(
-                f"hidden_states.final_state must be one of {list(FINAL_STATES)}, "
-                f"got {final_state!r}"
-            )
+        target = read_engine_target(
+            model_path,
+            aux_layers=aux_layers,
+            convention=convention,
+            dtype=dtype,
+            final_state=final_state,
+            error=VLLMCaptureError,
+        )
         opts = {**DEFAULT_OPTIONS, **(options or {})}
         if not opts["url"]:
             raise VLLMCaptureError(
                 "hidden_states.backend is vllm but hidden_states.vllm.url is not set: name the "
                 "capture server's OpenAI base URL, e.g. http://gpu-node-1:8000/v1"
             )
-        config = model_config.read_model_config(model_path)
-        self.aux: AuxLayers = resolve_aux_layers(
-            aux_layers, model_config.num_hidden_layers(config), convention
-        )
-        self.hidden_size = model_config.hidden_size(config)
-        self.dtype: torch.dtype = TORCH_DTYPES[model_config.resolve_dtype_name(dtype, config)]
+        self.aux: AuxLayers = target.aux
+        self.hidden_size = target.hidden_size
+        self.dtype: torch.dtype = TORCH_DTYPES[target.dtype_name]
         self.final_state = final_state
         self.layer_ids = vllm_layer_ids(self.aux)
         self.url = str(opts["url"]).rstrip("/")
@@ -293,11 +288,14 @@ class VLLMCapture:
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise TransientError(f"POST {url}: {type(exc).__name__}: {exc}") from exc
-        if status in _RETRY_STATUS:
+        if status in RETRY_STATUS:
             raise TransientError(f"POST {url} -> {_error_text(status, text)}")
         if status != 200:
             raise VLLMCaptureError(f"POST {url} ({len(ids)} tokens) -> {_error_text(status, text)}")
-        params = json.loads(text).get("kv_transfer_params") or {}
+        payload = json_or_none(text)
+        if not isinstance(payload, dict):
+            raise TransientError(f"POST {url}: HTTP 200 with a body that is not a JSON object")
+        params = payload.get("kv_transfer_params") or {}
         path = params.get("hidden_states_path")
         if not path:
             raise VLLMCaptureError(

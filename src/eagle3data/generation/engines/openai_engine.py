@@ -62,7 +62,7 @@ from . import Completion, Message, Tools, TransientError, TurnFailure
 
 log = logging.getLogger(__name__)
 
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,7 @@ def _int_list(name: str, value: Any) -> list[int]:
     return value
 
 
-def _error_message(payload: Any, text: str) -> str:
+def error_message(payload: Any, text: str) -> str:
     """The message of an error body: OpenAI's, vLLM's and llama.cpp's ``{"error": {"message":
     ...}}``, SGLang's flat ``{"object": "error", "message": ...}``, SGLang's auth failures
     ``{"error": "Unauthorized"}``, FastAPI's ``{"detail": ...}``; else the text itself."""
@@ -390,12 +390,12 @@ class OpenAIEngine:
                     status = resp.status
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise TransientError(f"{url}: {type(exc).__name__}: {exc}") from exc
-            payload = _json_or_none(text)
-            if status in _RETRY_STATUS:
-                raise TransientError(f"{url}: HTTP {status}: {_error_message(payload, text)}")
+            payload = json_or_none(text)
+            if status in RETRY_STATUS:
+                raise TransientError(f"{url}: HTTP {status}: {error_message(payload, text)}")
             healthy = True  # the server answered; what it said is about the request
             if status != 200:
-                return TurnFailure(f"HTTP {status}: {_error_message(payload, text)}")
+                return TurnFailure(f"HTTP {status}: {error_message(payload, text)}")
             if payload is None:
                 healthy = False
                 raise TransientError(f"{url}: HTTP 200 with a body that is not JSON")
@@ -457,7 +457,7 @@ def _calls_text(tool_calls: list[dict[str, Any]] | None) -> str:
     return "".join(c["function"]["name"] + c["function"]["arguments"] for c in tool_calls or [])
 
 
-def _json_or_none(text: str) -> Any:
+def json_or_none(text: str) -> Any:
     try:
         return json.loads(text)
     except ValueError:

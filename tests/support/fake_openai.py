@@ -31,7 +31,10 @@ Dialects
     ``/models`` entries with a ``permission`` list; errors nested, ``{"error": {"message",
     "type", "param", "code"}}`` with vLLM's ``param`` (``input_tokens``, ``max_tokens``,
     ``body.messages``, ``model``) and messages; a prompt that fits but not with
-    ``max_tokens`` more gets ``max_tokens`` clamped to what is left (200, ``length``).
+    ``max_tokens`` more gets ``max_tokens`` clamped to what is left (200, ``length``:
+    vLLM's ``get_max_tokens``, ``min(max_tokens, max_model_len - prompt)``, recorded in
+    ``tests/data/vllm/error_context_with_max_tokens.json``); ``/models`` reports
+    ``max_model_len`` (vLLM's ``ModelCard``).
 
     ``error_style`` overrides the dialect's error bodies: ``"sglang"`` (flat),
     ``"openai"`` (OpenAI's and llama.cpp's nested body, SGLang's ``type`` names) or
@@ -76,6 +79,13 @@ Tool calls
     messages SGLang 0.5.23 checks it with for MiniMax-M3 (the only model it checks it for;
     OpenAI's API checks it always): every call of an assistant turn answered by exactly
     one following tool message with its id.
+
+Refused fields
+    ``refuse_fields`` names request fields the server refuses: a request that carries one
+    gets OpenAI's API answer to a field it does not know, a 400 "Unrecognized request
+    argument supplied: <field>" (``invalid_request_error``), in the dialect's error body.
+    SGLang 0.5.23 and vLLM 0.32 take ``return_token_ids`` (vLLM ignores fields it does not
+    know, with a debug log); this is the server that does not.
 
 Fault injection
     ``faults(body, attempt) -> Fault | None`` is called for every well-formed chat
@@ -125,7 +135,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -527,6 +537,8 @@ class FakeOpenAI:
             or ``"vllm"`` (nested).
         token_ids_fn: ``(body, message) -> (prompt_ids, completion_ids) | None``, the ids
             of a ``return_token_ids`` answer (module doc); None: answers carry no ids.
+        refuse_fields: request fields answered with OpenAI's 400 for an unknown argument
+            (module doc).
     """
 
     def __init__(
@@ -550,6 +562,7 @@ class FakeOpenAI:
         dialect: str = "sglang",
         error_style: str | None = None,
         token_ids_fn: TokenIdsFn | None = None,
+        refuse_fields: Collection[str] = (),
     ) -> None:
         if slots is not None and slots < 1:
             raise ValueError("slots must be >= 1 or None")
@@ -576,6 +589,7 @@ class FakeOpenAI:
         self.dialect = dialect
         self.error_style = error_style
         self.token_ids_fn = token_ids_fn
+        self.refuse_fields = tuple(refuse_fields)
 
         self._lock = threading.Lock()
         self._requests: list[dict[str, Any]] = []
@@ -771,6 +785,10 @@ class FakeOpenAI:
             return self._error(400, problem, "Bad Request", 400, param="body.messages")
         if body.get("stream"):
             return self._error(400, "the fake does not stream", "BadRequestError", 400)
+        refused = next((f for f in self.refuse_fields if f in body), None)
+        if refused is not None:
+            problem = f"Unrecognized request argument supplied: {refused}"
+            return self._error(400, problem, "invalid_request_error", None)
         if self.check_tool_pairing and (problem := tool_pairing_error(messages)):
             return self._error(400, problem, "BadRequestError", 400)
         with self._lock:

@@ -136,3 +136,15 @@ def test_in_process_engine_returns_the_ids_it_saw_and_produced(tiny_model_dir: P
     body = [5, 6, engine.eos_ids[0], engine.eos_ids[0], engine.eos_ids[0]]
     done = engine._completion(body, prompt=[1, 2], max_new=5)
     assert done.completion_ids == [5, 6, engine.eos_ids[0]] and done.prompt_ids == [1, 2]
+
+
+def test_in_process_engine_marks_a_prompt_longer_than_the_context(tiny_model_dir: Path) -> None:
+    """The same kind as a server's context error, so errors.jsonl and the stats count it."""
+    from eagle3data.generation.engines import OVER_CONTEXT, TurnFailure
+
+    engine = TransformersEngine(str(tiny_model_dir), sampling=SAMPLING)
+    engine.context_length = 16  # a context the chat template alone nearly fills
+    long = [{"role": "user", "content": " ".join(["word"] * 40)}]
+    (result,) = engine.complete([long], seed=0)
+    assert isinstance(result, TurnFailure) and result.kind == OVER_CONTEXT
+    assert result.spent_tokens == 0

@@ -705,3 +705,15 @@ def test_openai_style_error_bodies() -> None:
             "code": 400,
         }
     }
+
+
+@pytest.mark.parametrize("dialect", ["sglang", "vllm"])
+def test_refused_fields_get_openais_unknown_argument_answer(dialect: str) -> None:
+    with FakeOpenAIServer(dialect=dialect, refuse_fields=["return_token_ids"]) as server:
+        status, _, raw = post(server.url, chat("hi", return_token_ids=True))
+        plain_status, _, _ = post(server.url, chat("hi"))
+    body = json.loads(raw)
+    error = body["error"] if dialect == "vllm" else body
+    assert status == 400 and plain_status == 200
+    assert error["message"] == "Unrecognized request argument supplied: return_token_ids"
+    assert error["type"] == "invalid_request_error"

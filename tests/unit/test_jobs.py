@@ -56,6 +56,8 @@ INTERNAL = {
     "eagle3data.generation.engines.TransientError",  # retried, then dispatched again
     "eagle3data.prompts.shapes.Bad",  # becomes a PromptFormatError or a recorded skip
     "eagle3data.prompts.readers._CorruptStream",  # becomes a PromptFormatError naming the file
+    # caught by the engine: the endpoint falls back to text (issue 32, point 6)
+    "eagle3data.generation.engines.openai_engine.UnknownTokenIds",
     "eagle3data.driver_signals.StopSignal",  # SIGINT/SIGTERM: run_step ends with one line
 }
 

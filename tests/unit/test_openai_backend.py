@@ -442,6 +442,12 @@ def _engine(**settings: object) -> OpenAIEngine:
     return OpenAIEngine(http, sampling=SAMPLING, seed=0)
 
 
+def _answer(payload: dict, engine: OpenAIEngine | None = None):
+    """What the engine makes of ``payload`` from its (only) endpoint."""
+    engine = engine or _engine()
+    return engine._completion(payload, engine.pool.endpoints[0])
+
+
 def test_token_ids_are_asked_for_and_read_in_both_servers_shapes() -> None:
     from eagle3data.generation.engines.openai_engine import request_body
 
@@ -458,7 +464,7 @@ def test_token_ids_are_asked_for_and_read_in_both_servers_shapes() -> None:
     recorded = json.loads(
         (Path(__file__).parents[1] / "data" / "sglang" / "chat_token_ids.json").read_text()
     )["response"]
-    sglang = _engine()._completion(recorded, "u")
+    sglang = _answer(recorded)
     choice = recorded["choices"][0]
     assert sglang.prompt_ids == choice["prompt_token_ids"]
     assert sglang.completion_ids == choice["response_token_ids"]
@@ -476,28 +482,29 @@ def test_token_ids_are_asked_for_and_read_in_both_servers_shapes() -> None:
         ],
         "usage": {"prompt_tokens": 3, "completion_tokens": 3},
     }
-    got = _engine()._completion(vllm, "u")
+    got = _answer(vllm)
     assert (got.prompt_ids, got.completion_ids) == ([1, 2, 3], [7, 8, 2])
     assert got.reasoning_content == "because"
     # A server that ignores the field: no ids, nothing else changes.
     del vllm["prompt_token_ids"], vllm["choices"][0]["token_ids"]
-    plain = _engine()._completion(vllm, "u")
+    plain = _answer(vllm)
     assert plain.prompt_ids is plain.completion_ids is None and plain.content == "x"
 
 
-def test_malformed_token_ids_are_a_bad_response_shape() -> None:
-    from eagle3data.generation.engines import TransientError
-
+def test_malformed_token_ids_keep_the_answer_and_turn_the_endpoint_to_text(caplog) -> None:
     payload = {
         "prompt_token_ids": [1, 2],
         "choices": [{"message": {"content": "x"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 2, "completion_tokens": 1},
     }
-    with pytest.raises(TransientError, match="without the completion's"):
-        _engine()._completion(payload, "u")
-    payload["choices"][0]["token_ids"] = ["a"]
-    with pytest.raises(TransientError, match="not a list of integers"):
-        _engine()._completion(payload, "u")
+    for ids, problem in [(None, "without the completion's"), (["a"], "not a list of integers")]:
+        engine = _engine()
+        payload["choices"][0]["token_ids"] = ids
+        with caplog.at_level(logging.WARNING):
+            got = _answer(payload, engine)
+        assert got.content == "x" and got.prompt_ids is got.completion_ids is None
+        assert not engine.pool.endpoints[0].token_ids and engine.notes["token_ids_fallbacks"] == 1
+        assert problem in caplog.text
 
 
 @pytest.mark.parametrize("asked", [True, False])
@@ -509,3 +516,212 @@ def test_token_ids_are_asked_for_unless_turned_off(tmp_path: Path, asked: bool) 
     # The fake sends no ids: every turn says so, and the run is otherwise the same.
     assert all(t["token_ids"] is None for r in result.rows for t in r["turns"])
     assert result.stats["turns_without_token_ids"] == sum(len(r["turns"]) for r in result.rows)
+
+
+# --- a server that does not take return_token_ids (issue 32, point 6) -----------------
+
+
+def _nested_ids(body, message):
+    """Ids in lists of lists, where the dialect puts its ids: no shape we know."""
+    return [[1, 2, 3]], [[4, 5]]
+
+
+def _ids_fallback_warnings(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "return_token_ids" in r.getMessage()
+    ]
+
+
+def _every_prompt_answered_without_ids(result, j: GenerationJob) -> None:
+    assert result.failures == [] and result.stats["failed"] == 0
+    assert [r["id"] for r in result.rows] == [p.id for p in j.prompts]
+    journal = [json.loads(line) for line in j.journal.read_text().splitlines()]
+    assert all(rec["status"] == "ok" for rec in journal), "nothing journaled as failed"
+    assert all(t["token_ids"] is None for r in result.rows for t in r["turns"])
+    assert result.stats["token_ids_fallbacks"] == 1
+    accounted(result, j)
+
+
+def test_a_server_that_refuses_return_token_ids_is_asked_in_text(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    with FakeOpenAIServer(refuse_fields=["return_token_ids"]) as server:
+        j = job(tmp_path, n=12)
+        result = generate(j, server.url)
+        bodies = server.requests
+    _every_prompt_answered_without_ids(result, j)
+    assert len(_ids_fallback_warnings(caplog)) == 1
+    # Once refused, the endpoint is asked without the field; what was refused is asked again.
+    refused = sum(1 for b in bodies if "return_token_ids" in b)
+    assert 1 <= refused <= 8, "at most the first requests in flight carried the field"
+    assert len(bodies) - refused == sum(len(r["turns"]) for r in result.rows)
+
+
+def test_ids_in_an_unknown_shape_fall_back_to_text_without_retries(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    with FakeOpenAIServer(dialect="vllm", token_ids_fn=_nested_ids) as server:
+        j = job(tmp_path, n=12)
+        result = generate(j, server.url, limits=ErrorLimits(max_consecutive_failures=3))
+        received = server.stats["received"]
+        asked_for_ids = sum(1 for b in server.requests if "return_token_ids" in b)
+    _every_prompt_answered_without_ids(result, j)
+    assert len(_ids_fallback_warnings(caplog)) == 1
+    assert received == sum(len(r["turns"]) for r in result.rows), "no request asked twice"
+    assert 1 <= asked_for_ids <= 8, "only the first requests in flight asked for ids"
+    assert result.rows[1]["messages"][-1]["content"].startswith("Answer to: question 1")
+
+
+# --- vLLM clamps max_tokens to the context (issue 32, point 7) ------------------------
+
+# The fake counts a prompt as its words plus one per message: "question 1" is 3 tokens,
+# and a user turn of 30 words is 31. With a context of 80 and max_tokens 64 the long prompt
+# fits (31 < 80) but not with its max_tokens (31 + 64 > 80).
+LONG_QUESTION = " ".join(["long"] * 30)
+
+
+def _context_prompts() -> list[Prompt]:
+    return [
+        make_prompt("short", [{"role": "user", "content": "question 1"}]),
+        make_prompt("long", [{"role": "user", "content": LONG_QUESTION}]),
+        make_prompt("capped", [{"role": "user", "content": "question 2"}]),
+    ]
+
+
+def _wanted_tokens(messages) -> int:
+    """Answer lengths before any cap: 'question 2' asks past max_tokens (64)."""
+    return 100 if "question 2" in messages[-1]["content"] else 60
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+def test_an_answer_cut_by_the_context_is_over_context_not_data(
+    tmp_path: Path, dialect: str
+) -> None:
+    j = GenerationJob(
+        dataset="A1",
+        prompts=_context_prompts(),
+        journal=tmp_path / "journal.jsonl",
+        model="fake-model",
+        sampling=SAMPLING,
+        progress_interval_s=0,
+    )
+    with FakeOpenAIServer(dialect=dialect, max_model_len=80, tokens_fn=_wanted_tokens) as server:
+        result = generate(j, server.url)
+        completed = server.stats["completion_tokens"]
+    # vLLM answered the long prompt with 80 - 31 = 49 tokens and "length"; SGLang refused it.
+    [failure] = result.failures
+    assert failure["id"] == "long" and failure["kind"] == "over_context"
+    assert "80" in failure["error"] and "context" in failure["error"]
+    assert [r["id"] for r in result.rows] == ["short", "capped"]
+    capped = result.rows[1]
+    assert capped["finish_reason"] == "length", "max_tokens itself still cuts answers"
+    assert capped["usage"]["completion_tokens"] == 64
+    assert result.stats["over_context"] == 1
+    # The clamped answer's tokens were generated and are not in the output: waste, not
+    # budget (the budget counts the output only).
+    clamped = 49 if dialect == "vllm" else 0
+    assert completed == 60 + 64 + clamped
+    assert result.stats["completion_tokens"] == 60 + 64
+    assert result.stats["generated_tokens_total"] == completed
+    assert result.stats["waste_tokens"] == clamped
+    journal = {json.loads(x)["id"]: json.loads(x) for x in j.journal.read_text().splitlines()}
+    assert journal["long"]["completion_tokens_spent"] == clamped
+    accounted(result, j)
+
+
+def test_the_context_is_read_from_the_servers_models(tmp_path: Path) -> None:
+    with FakeOpenAIServer(dialect="vllm", max_model_len=80) as server:
+        engine = engine_for(server.url)
+
+        async def started() -> list:
+            await engine.start()
+            try:
+                return [e.max_model_len for e in engine.pool.endpoints]
+            finally:
+                await engine.close()
+
+        assert asyncio.run(started()) == [80]
+
+
+def test_the_status_reports_the_counters_of_the_generate_stats(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from eagle3data.atomic import write_json
+    from eagle3data.layout import RESPONSE_STATS, Results
+    from eagle3data.monitor.snapshot import _generation_notes, notes_lines
+
+    j = GenerationJob(
+        dataset="A1",
+        prompts=_context_prompts(),
+        journal=tmp_path / "journal.jsonl",
+        model="fake-model",
+        sampling=SAMPLING,
+        progress_interval_s=0,
+    )
+    with FakeOpenAIServer(
+        dialect="vllm", max_model_len=80, tokens_fn=_wanted_tokens, token_ids_fn=_nested_ids
+    ) as server:
+        result = generate(j, server.url)
+    results = Results(tmp_path)
+    write_json(results.path(RESPONSE_STATS, dataset="A1"), result.stats)
+    notes = _generation_notes(results, "A1")
+    assert notes == {"over_context": 1, "token_ids_fallbacks": 1}
+    row = _status_row("A1", notes)
+    [_title, line] = notes_lines([row, replace(row, dataset="B2", generation_notes=None)])
+    assert line.startswith("  A1: 1 prompt(s) over the model's context")
+    assert "1 endpoint(s) refused return_token_ids" in line
+    assert notes_lines([replace(row, generation_notes={"over_context": 0})]) == []
+
+
+def _status_row(dataset: str, notes: dict[str, int] | None):
+    from dataclasses import fields
+
+    from eagle3data.monitor.snapshot import DatasetStatus
+
+    blank = {f.name: None for f in fields(DatasetStatus)}
+    return DatasetStatus(**{**blank, "dataset": dataset, "generation_notes": notes})
+
+
+def _recorded(server: str, name: str) -> dict:
+    return json.loads((Path(__file__).parents[1] / "data" / server / f"{name}.json").read_text())
+
+
+def test_what_real_servers_sent_about_the_context_is_over_context() -> None:
+    """vLLM 0.32 and SGLang 0.5.23 recorded on a 1024-token model: a 1013-token prompt
+    with max_tokens 100, and prompts longer than the context."""
+    from eagle3data.generation.engines import OVER_CONTEXT, TurnFailure
+    from eagle3data.generation.engines.openai_engine import (
+        error_message,
+        failure_kind,
+        models_context,
+    )
+
+    for server in ("vllm", "sglang"):
+        models = _recorded(server, "models")["response"]
+        assert models_context(models, "tiny-qwen3") == 1024
+        assert models_context(models, "served-under-another-name") == 1024  # the only one
+        refused = _recorded(server, "error_context_too_long")["response"]
+        assert failure_kind(error_message(refused, "")) == OVER_CONTEXT
+    sglang = _recorded("sglang", "error_context_with_max_tokens")["response"]
+    assert failure_kind(error_message(sglang, "")) == OVER_CONTEXT
+    clamped = _recorded("vllm", "error_context_with_max_tokens")
+    engine = OpenAIEngine(
+        HttpSettings(endpoints=["http://127.0.0.1:9/v1"], model="tiny-qwen3"),
+        sampling={**SAMPLING, "max_tokens": clamped["request"]["max_tokens"]},
+        seed=0,
+    )
+    engine.pool.endpoints[0].max_model_len = 1024
+    got = engine._completion(clamped["response"], engine.pool.endpoints[0])
+    assert isinstance(got, TurnFailure) and got.kind == OVER_CONTEXT
+    assert got.spent_tokens == 11 and "1024" in got.reason
+    # Without a reported context the answer is kept: nothing says where it ended.
+    engine.pool.endpoints[0].max_model_len = None
+    kept = engine._completion(clamped["response"], engine.pool.endpoints[0])
+    assert not isinstance(kept, TurnFailure) and kept.finish_reason == "length"
+    # An answer cut by max_tokens itself is data, however close to the context.
+    normal = _recorded("vllm", "chat_token_ids_length")
+    engine.pool.endpoints[0].max_model_len = normal["response"]["usage"]["total_tokens"]
+    engine.sampling["max_tokens"] = normal["request"]["max_tokens"]
+    assert not isinstance(
+        engine._completion(normal["response"], engine.pool.endpoints[0]), TurnFailure
+    )

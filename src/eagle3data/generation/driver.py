@@ -52,7 +52,15 @@ from .budget import (
     plan_dispatch_tail,
     select_prefix,
 )
-from .engines import AsyncEngine, Completion, Engine, Tools, TransientError, TurnFailure
+from .engines import (
+    OVER_CONTEXT,
+    AsyncEngine,
+    Completion,
+    Engine,
+    Tools,
+    TransientError,
+    TurnFailure,
+)
 from .journal import JournalWriter, read_journal
 from .records import (
     JournalRecord,
@@ -134,6 +142,8 @@ class Conversation:
         self.opened = 0  # segments appended to the history so far
         self.turns: list[Turn] = []
         self.failure: str | None = None
+        self.failure_kind: str | None = None
+        self.failure_spent = 0  # tokens the failed turn cost (an answer not kept)
         self._ids_so_far: list[int] = []  # the last turn's prompt then completion ids
 
     def next_request(self) -> list[dict[str, Any]] | None:
@@ -152,6 +162,7 @@ class Conversation:
     def add(self, result: Completion | TurnFailure) -> None:
         if isinstance(result, TurnFailure):
             self.failure = f"turn {len(self.turns) + 1}: {result.reason}"
+            self.failure_kind, self.failure_spent = result.kind, result.spent_tokens
             return
         message: dict[str, Any] = {"role": "assistant", "content": result.content}
         if result.reasoning_content:
@@ -179,8 +190,8 @@ class Conversation:
     def record(self) -> JournalRecord:
         p = self.prompt
         if self.failure is not None:
-            spent = sum(t["completion_tokens"] for t in self.turns)
-            return failed_record(p.id, p.prompt_hash, self.failure, spent)
+            spent = sum(t["completion_tokens"] for t in self.turns) + self.failure_spent
+            return failed_record(p.id, p.prompt_hash, self.failure, spent, self.failure_kind)
         return ok_record(p.id, p.prompt_hash, self.history, self.turns, tools=self.tools)
 
     def tools_kwargs(self) -> dict[str, Any]:
@@ -429,6 +440,7 @@ class _Run:
         for tokens in ok:
             self.lengths.add(tokens)
         self.clock = _TokenClock()
+        self.engine_notes: dict[str, int] = {}  # the HTTP engine's counters (stats)
 
     def expected_tokens(self, capacity: int) -> float:
         """Running mean completion length; before anything is known, a prior that
@@ -545,7 +557,9 @@ def run_generation(
             except KeyboardInterrupt as stop:  # SIGINT, or SIGTERM (driver_signals)
                 raise GenerationAborted(stopped_message(run, signal_name(stop))) from None
     run.progress.update(run.sel, run.records, force=True)
-    return _assemble(job, run.order, run.records, run.sel, run.resumed, run.generated_now)
+    return _assemble(
+        job, run.order, run.records, run.sel, run.resumed, run.generated_now, run.engine_notes
+    )
 
 
 def _batched(run: _Run, engine_factory: Any) -> None:
@@ -642,6 +656,7 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
         for sig in handled:
             loop.remove_signal_handler(sig)
             signal.signal(sig, previous[sig])
+        run.engine_notes.update(getattr(engine, "notes", {}))
         await engine.close()
 
 
@@ -661,6 +676,7 @@ def _assemble(
     sel: Selection,
     resumed: int,
     generated_now: int,
+    engine_notes: Mapping[str, int] | None = None,
 ) -> GenerationResult:
     sampling = {**job.sampling, "seed": job.seed}
     rows = []
@@ -680,10 +696,7 @@ def _assemble(
         if "tools" in rec:  # tool-calling conversations only: plain rows are unchanged
             row["tools"] = rec["tools"]
         rows.append(row)
-    failures = [
-        {"id": order[pos], "index": pos, "error": records[order[pos]]["error"]}
-        for pos in sel.failed
-    ]
+    failures = [_failure_row(order[pos], pos, records[order[pos]]) for pos in sel.failed]
     generated_tokens = sum(spent_tokens(r) for r in records.values())
     truncated = sum(1 for r in rows if any(t["finish_reason"] == "length" for t in r["turns"]))
     ids = _token_id_counts(job.dataset, rows)
@@ -703,6 +716,11 @@ def _assemble(
         "waste_tokens": generated_tokens - sel.tokens,
         "records_resumed": resumed,
         "records_generated_now": generated_now,
+        # Failures that do not fit the context: a server's 4xx, or an answer it cut there.
+        "over_context": sum(1 for f in failures if f.get("kind") == OVER_CONTEXT),
+        # Endpoints of this run asked in text: they refused return_token_ids or sent ids
+        # in a shape we do not know (0 when nothing was generated now).
+        "token_ids_fallbacks": int((engine_notes or {}).get("token_ids_fallbacks", 0)),
         **ids,
         "sidecar": str(job.journal),
         "failures": failures,
@@ -710,6 +728,14 @@ def _assemble(
     # The accounting invariant: every prompt is in exactly one bucket.
     assert stats["in_output"] + stats["failed"] + stats["beyond_limits"] == stats["prompts"]
     return GenerationResult(rows, stats, sel, generated_now, failures, list(records.values()))
+
+
+def _failure_row(prompt_id: str, pos: int, record: Mapping[str, Any]) -> dict[str, Any]:
+    """A line of errors.jsonl: the prompt, its position, the error and its kind if known."""
+    row = {"id": prompt_id, "index": pos, "error": record["error"]}
+    if "kind" in record:
+        row["kind"] = record["kind"]
+    return row
 
 
 def _token_id_counts(dataset: str, rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:

@@ -11,7 +11,8 @@ On disk (one JSON line per record, keys sorted)::
     ok:     {id, prompt_hash, status: "ok", messages, finish_reason,
              usage: {prompt_tokens, completion_tokens}, turns: [Turn, ...], finished_at,
              tools (only for conversations with tools)}
-    failed: {id, prompt_hash, status: "failed", error, completion_tokens_spent, finished_at}
+    failed: {id, prompt_hash, status: "failed", error, completion_tokens_spent, finished_at,
+             kind (only for a known kind: "over_context")}
 
 A :class:`Turn` keeps the token ids the engine saw and produced (``token_ids``, stored
 compactly: :func:`compact_token_ids`, :func:`turn_token_ids`) where it returned them.
@@ -77,8 +78,11 @@ class FailedRecord(TypedDict):
     prompt_hash: str
     status: Literal["failed"]
     error: str
-    completion_tokens_spent: int  # by the turns before the one that failed
+    # By the turns before the one that failed, and by that one if the server generated an
+    # answer that was not kept (cut by the context): generated, never in the output.
+    completion_tokens_spent: int
     finished_at: NotRequired[float]
+    kind: NotRequired[str]  # "over_context": the conversation does not fit the context
 
 
 JournalRecord = OkRecord | FailedRecord
@@ -149,14 +153,19 @@ def turn_token_ids(turns: Sequence[Mapping[str, Any]]) -> list[tuple[list[int], 
     return out
 
 
-def failed_record(prompt_id: str, prompt_hash: str, error: str, spent: int) -> FailedRecord:
-    return {
+def failed_record(
+    prompt_id: str, prompt_hash: str, error: str, spent: int, kind: str | None = None
+) -> FailedRecord:
+    record: FailedRecord = {
         "id": prompt_id,
         "prompt_hash": prompt_hash,
         "status": "failed",
         "error": error,
         "completion_tokens_spent": spent,
     }
+    if kind is not None:  # absent otherwise: other failures are recorded as before
+        record["kind"] = kind
+    return record
 
 
 def is_failed(record: Mapping[str, Any]) -> bool:

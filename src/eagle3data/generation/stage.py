@@ -81,7 +81,7 @@ def generate(
     log.info(
         "%s: wrote %d responses, %d completion tokens (budget %s, stop: %s); "
         "accounting: %d prompts = %d in output + %d failed + %d beyond limits "
-        "(+%d skipped as bad input); waste %d tokens",
+        "(+%d skipped as bad input); waste %d tokens; %d failed over the context",
         dataset,
         stats["in_output"],
         stats["completion_tokens"],
@@ -93,6 +93,7 @@ def generate(
         stats["beyond_limits"],
         stats["skipped_input"],
         stats["waste_tokens"],
+        stats["over_context"],
     )
 
 

@@ -15,7 +15,9 @@ results/.work/status). Per dataset:
 * once tokenized, how many turns were trained on the engine's token ids and how many of
   those the chat template re-renders identically (``ids=render``: the tokenize stats);
 * once validated, the target's agreement with its tokens over the control (the validate
-  job's check, :mod:`..hidden_states.agreement`).
+  job's check, :mod:`..hidden_states.agreement`);
+* what the last generate job's stats say about the servers' edges (:func:`notes_lines`):
+  prompts over the context, endpoints that refused ``return_token_ids``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..atomic import live_temporaries
 from ..layout import (
     JOURNAL_DIR,
     MANIFEST,
+    RESPONSE_STATS,
     SHARD_DIR,
     SHARD_PLAN,
     SKIPPED_PROMPTS,
@@ -81,6 +84,9 @@ class DatasetStatus:
     # The tokenize stats' ``token_ids`` section, once tokenized; None before (or in stats
     # written before ids were kept).
     token_ids: dict[str, Any] | None = None
+    # The last generate job's counters of the servers' edges (:data:`NOTE_KEYS`), once it
+    # wrote its stats; None before.
+    generation_notes: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,7 @@ def dataset_snapshot(
         run=None if run is None else {k: v for k, v in asdict(run).items() if k != "heartbeat_at"},
         agreement=_agreement(results, dataset),
         token_ids=_token_ids(results, dataset),
+        generation_notes=_generation_notes(results, dataset),
     )
     return DatasetSnapshot(status, progress)
 
@@ -183,6 +190,39 @@ def _token_ids(results: Results, dataset: str) -> dict[str, Any] | None:
         return None
     summary = json.loads(stats.read_text()).get("token_ids")
     return None if summary is None else {k: v for k, v in summary.items() if k != "differences"}
+
+
+# The generate stats' counters the status reports (driver._assemble writes them).
+NOTE_KEYS = ("over_context", "token_ids_fallbacks")
+
+
+def _generation_notes(results: Results, dataset: str) -> dict[str, int] | None:
+    stats = results.path(RESPONSE_STATS, dataset=dataset)
+    if not stats.is_file():
+        return None
+    written = json.loads(stats.read_text())
+    return {k: int(written[k]) for k in NOTE_KEYS if k in written}
+
+
+def notes_lines(rows: Sequence[DatasetStatus]) -> list[str]:
+    """One line per dataset whose last generate job met a server's edge; none otherwise."""
+    lines = []
+    for r in rows:
+        notes = r.generation_notes or {}
+        said = []
+        if notes.get("over_context"):
+            said.append(
+                f"{notes['over_context']} prompt(s) over the model's context (in its "
+                "errors.jsonl, kind over_context)"
+            )
+        if notes.get("token_ids_fallbacks"):
+            said.append(
+                f"{notes['token_ids_fallbacks']} endpoint(s) refused return_token_ids or sent "
+                "ids in an unknown shape: asked in text, their turns re-rendered at tokenize"
+            )
+        if said:
+            lines.append(f"  {r.dataset}: " + "; ".join(said))
+    return ["Servers (the last generate job):", *lines] if lines else []
 
 
 def token_ids_cell(summary: Mapping[str, Any] | None) -> str:

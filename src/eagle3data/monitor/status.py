@@ -25,7 +25,13 @@ from ..config import load_config, schema_for
 from ..layout import Results
 from .preview import model_bytes_per_token
 from .report import BudgetBar, BudgetUse, JournalSeries, journal_note, plot_live
-from .snapshot import DatasetSnapshot, dataset_snapshot, format_table, projection_lines
+from .snapshot import (
+    DatasetSnapshot,
+    dataset_snapshot,
+    format_table,
+    notes_lines,
+    projection_lines,
+)
 from .whatif import Change, apply_changes, parse_changes, whatif_lines
 
 CONFIG = Path("config") / "config.yaml"
@@ -138,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(whatif_lines(config, changes, before, after)))
         else:
             print("\n".join(projection_lines(changed, rows)))
+        if notes := notes_lines(rows):
+            print("\n".join(["", *notes]))
     if args.plot is not None:
         for path in plot(shots, args.plot):
             print(f"wrote {path}", file=sys.stderr)

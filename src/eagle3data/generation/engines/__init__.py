@@ -55,11 +55,20 @@ class TransientError(Exception):
     the prompt is not recorded and will be dispatched again."""
 
 
+# TurnFailure.kind of a prompt that does not fit the target's context: a server's 4xx
+# saying so, or an answer the server cut where the context ended (vLLM clamps max_tokens).
+OVER_CONTEXT = "over_context"
+
+
 @dataclass(frozen=True)
 class TurnFailure:
     """A permanent failure of one request (recorded; the prompt is skipped)."""
 
     reason: str
+    kind: str | None = None  # OVER_CONTEXT, or None for any other failure
+    # Completion tokens the server generated for the failed request (an answer cut by the
+    # context and not kept): the run's waste, never its budget.
+    spent_tokens: int = 0
 
 
 class Engine(Protocol):
@@ -95,6 +104,9 @@ class AsyncEngine(Protocol):
         """Next assistant turn; raises TransientError when worth retrying later.
         ``tools`` is passed only for conversations that have tools."""
         ...
+
+    # Optional: ``notes``, a mapping of counters about the servers (e.g. endpoints that
+    # fell back to text), which the driver copies into the stats; read with getattr.
 
 
 def is_streaming(backend: str) -> bool:

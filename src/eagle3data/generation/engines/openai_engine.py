@@ -29,7 +29,20 @@ in ``message.reasoning_content``, vLLM in ``message.reasoning``; both become
 Token ids: every request asks for ``return_token_ids`` (``generation.return_token_ids``),
 and the ids SGLang and vLLM return, the prompt as the server rendered and tokenized it and
 the completion as generated, become :attr:`Completion.prompt_ids` and ``completion_ids``
-(:func:`token_ids_of`); a server that returns none leaves them None.
+(:func:`token_ids_of`); a server that returns none leaves them None. An endpoint that
+refuses the field (a 4xx naming it) or returns ids in a shape we do not know is asked in
+text from then on, with one warning (:attr:`OpenAIEngine.notes`): the refused request is
+sent again without the field, the answer with odd ids is kept without them, and the
+tokenize stage re-renders turns without ids. Neither fails a prompt.
+
+The context: a prompt that does not fit the target's context is a permanent failure of
+kind :data:`OVER_CONTEXT`. SGLang answers it with a 400 (so do vLLM and llama.cpp for a
+prompt longer than the context); vLLM 0.32 instead cuts ``max_tokens`` to what the context
+has left (``get_max_tokens``) and answers a short ``finish_reason: length``. Such an
+answer, one that stopped before ``max_tokens`` where prompt and completion reach the
+endpoint's ``max_model_len`` (its ``/models`` entry; SGLang and vLLM report it), is
+recorded as over-context too, not kept as short data; the tokens it cost are the run's
+waste (:attr:`TurnFailure.spent_tokens`).
 
 A vLLM capture server (``hidden_states.backend: vllm``) that also generates writes the
 hidden states of every generation request too, and names the file in
@@ -43,6 +56,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,11 +72,16 @@ from tenacity import (
 
 from ...errors import EngineUnavailable
 from ...hidden_states.vllm_files import discard_states
-from . import Completion, Message, Tools, TransientError, TurnFailure
+from . import OVER_CONTEXT, Completion, Message, Tools, TransientError, TurnFailure
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+TOKEN_IDS_FIELD = "return_token_ids"
+# How servers say a request does not fit the context: SGLang "longer than the model's
+# context length" / "maximum context length", vLLM "maximum context length", llama.cpp
+# "the available context size".
+_OVER_CONTEXT_MESSAGE = re.compile(r"context (length|size|window)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -89,6 +108,8 @@ class _Endpoint:
     in_flight: int = 0
     consecutive_failures: int = 0
     paused_until: float = 0.0
+    max_model_len: int | None = None  # its /models entry's, when it reports one
+    token_ids: bool = True  # False once it refused return_token_ids or sent odd ids
 
 
 class EndpointPool:
@@ -177,8 +198,8 @@ def request_body(
         body["chat_template_kwargs"] = dict(chat_template_kwargs)
     if tools:  # absent otherwise: plain requests stay exactly as they were
         body["tools"] = list(tools)
-    if return_token_ids:  # SGLang and vLLM; servers that do not know it ignore it
-        body["return_token_ids"] = True
+    if return_token_ids:  # SGLang and vLLM; see OpenAIEngine for servers that refuse it
+        body[TOKEN_IDS_FIELD] = True
     body.update(extra_body)
     return body
 
@@ -235,6 +256,10 @@ def reasoning_of(message: Mapping[str, Any]) -> str | None:
     return None
 
 
+class UnknownTokenIds(ValueError):
+    """Token ids in a shape we do not know: the answer is good, its ids are not usable."""
+
+
 def token_ids_of(
     payload: Mapping[str, Any], choice: Mapping[str, Any]
 ) -> tuple[list[int], list[int]] | None:
@@ -243,15 +268,15 @@ def token_ids_of(
 
     SGLang 0.5.23: ``choice.prompt_token_ids`` and ``choice.response_token_ids``; vLLM
     0.32: top-level ``prompt_token_ids`` and ``choice.token_ids`` (tests/data/sglang/,
-    tests/data/vllm/). Raises ValueError on ids that are not lists of integers, or on one
-    of the two without the other."""
+    tests/data/vllm/). Raises UnknownTokenIds on ids that are not lists of integers, or
+    on one of the two without the other."""
     prompt = choice.get("prompt_token_ids", payload.get("prompt_token_ids"))
     completion = choice.get("response_token_ids", choice.get("token_ids"))
     if prompt is None and completion is None:
         return None
     if prompt is None or completion is None:
         missing = "prompt" if prompt is None else "completion"
-        raise ValueError(f"the response has token ids without the {missing}'s")
+        raise UnknownTokenIds(f"the response has token ids without the {missing}'s")
     return _int_list("prompt_token_ids", prompt), _int_list("completion token_ids", completion)
 
 
@@ -259,8 +284,33 @@ def _int_list(name: str, value: Any) -> list[int]:
     if not isinstance(value, list) or not all(
         isinstance(i, int) and not isinstance(i, bool) for i in value
     ):
-        raise ValueError(f"{name} is not a list of integers")
+        raise UnknownTokenIds(f"{name} is not a list of integers")
     return value
+
+
+def refuses_token_ids(body: Mapping[str, Any], status: int, message: str) -> bool:
+    """Whether a 4xx answer refused ``return_token_ids`` itself: the request carried it
+    and the error names it (OpenAI's "Unrecognized request argument supplied", a strict
+    server's "extra fields not permitted" with the field's name)."""
+    return TOKEN_IDS_FIELD in body and 400 <= status < 500 and TOKEN_IDS_FIELD in message
+
+
+def failure_kind(message: str) -> str | None:
+    """OVER_CONTEXT for a server's error that says the request does not fit its context."""
+    return OVER_CONTEXT if _OVER_CONTEXT_MESSAGE.search(message) else None
+
+
+def models_context(payload: Any, model: str) -> int | None:
+    """``max_model_len`` of ``model``'s entry in a ``/models`` answer (of its only entry
+    when none has that id), or None when it reports none."""
+    entries = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(entries, list):
+        return None
+    entries = [e for e in entries if isinstance(e, dict)]
+    named = [e for e in entries if e.get("id") == model]
+    chosen = named or (entries if len(entries) == 1 else [])
+    value = chosen[0].get("max_model_len") if chosen else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def error_message(payload: Any, text: str) -> str:
@@ -304,10 +354,31 @@ class OpenAIEngine:
             settings.endpoint_pause_s,
         )
         self._session: aiohttp.ClientSession | None = None
+        self.token_ids_fallbacks = 0  # endpoints asked in text after refusing the ids
 
     @property
     def capacity(self) -> int:
         return self.pool.capacity
+
+    @property
+    def notes(self) -> dict[str, int]:
+        """Counters about the servers, for the stats: ``token_ids_fallbacks``, endpoints
+        that refused ``return_token_ids`` or sent ids in a shape we do not know."""
+        return {"token_ids_fallbacks": self.token_ids_fallbacks}
+
+    def _fall_back_to_text(self, endpoint: _Endpoint, why: str) -> None:
+        """Ask ``endpoint`` without ``return_token_ids`` from now on; warn once."""
+        if not endpoint.token_ids:
+            return
+        endpoint.token_ids = False
+        self.token_ids_fallbacks += 1
+        log.warning(
+            "%s does not take %s (%s): asking it in text from now on; its turns keep no "
+            "token ids and the tokenize stage re-renders them",
+            endpoint.url,
+            TOKEN_IDS_FIELD,
+            why,
+        )
 
     async def start(self) -> None:
         headers = {"Content-Type": "application/json"}
@@ -336,9 +407,11 @@ class OpenAIEngine:
             url = f"{endpoint.url}/models"
             try:
                 async with self._session.get(url, timeout=timeout) as resp:
-                    if resp.status == 200:
-                        continue
                     text = await resp.text()
+                    if resp.status == 200:
+                        payload = json_or_none(text)
+                        endpoint.max_model_len = models_context(payload, self.settings.model)
+                        continue
                     problems.append(f"GET {url} -> HTTP {resp.status}: {text[:200]}")
             except (aiohttp.ClientError, TimeoutError) as exc:
                 problems.append(f"GET {url} -> {type(exc).__name__}: {exc}")
@@ -384,30 +457,41 @@ class OpenAIEngine:
         healthy: bool | None = False
         try:
             url = f"{endpoint.url}/chat/completions"
-            try:
-                async with self._session.post(url, json=body) as resp:
-                    text = await resp.text()
-                    status = resp.status
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise TransientError(f"{url}: {type(exc).__name__}: {exc}") from exc
-            payload = json_or_none(text)
-            if status in RETRY_STATUS:
-                raise TransientError(f"{url}: HTTP {status}: {error_message(payload, text)}")
-            healthy = True  # the server answered; what it said is about the request
-            if status != 200:
-                return TurnFailure(f"HTTP {status}: {error_message(payload, text)}")
+            while True:  # twice at most: again in text when the endpoint refused the ids
+                sent = body if endpoint.token_ids else _without_token_ids(body)
+                status, text = await self._send(url, sent)
+                payload = json_or_none(text)
+                if status in RETRY_STATUS:
+                    raise TransientError(f"{url}: HTTP {status}: {error_message(payload, text)}")
+                healthy = True  # the server answered; what it said is about the request
+                if status == 200:
+                    break
+                message = error_message(payload, text)
+                if not refuses_token_ids(sent, status, f"{message} {text}"):
+                    return TurnFailure(f"HTTP {status}: {message}", kind=failure_kind(message))
+                self._fall_back_to_text(endpoint, f"HTTP {status}: {message}")
             if payload is None:
                 healthy = False
                 raise TransientError(f"{url}: HTTP 200 with a body that is not JSON")
             await _discard_captured_states(payload)
-            return self._completion(payload, url)
+            return self._completion(payload, endpoint)
         except asyncio.CancelledError:
             healthy = None  # we hung up (a stop, or the budget is reached): no verdict
             raise
         finally:
             await self.pool.release(endpoint, healthy=healthy)
 
-    def _completion(self, payload: dict[str, Any], url: str) -> Completion:
+    async def _send(self, url: str, body: Mapping[str, Any]) -> tuple[int, str]:
+        """POST ``body``: the status and the text of the answer."""
+        assert self._session is not None, "call start() first"
+        try:
+            async with self._session.post(url, json=body) as resp:
+                return resp.status, await resp.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise TransientError(f"{url}: {type(exc).__name__}: {exc}") from exc
+
+    def _completion(self, payload: dict[str, Any], endpoint: _Endpoint) -> Completion | TurnFailure:
+        url = f"{endpoint.url}/chat/completions"
         try:
             choice = payload["choices"][0]
             message = choice["message"]
@@ -415,9 +499,13 @@ class OpenAIEngine:
             reasoning = reasoning_of(message)
             tool_calls = parse_tool_calls(message.get("tool_calls"))
             finish = choice.get("finish_reason") or "unknown"
-            ids = token_ids_of(payload, choice)
         except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
             raise TransientError(f"{url}: unexpected response shape ({exc!r})") from None
+        try:
+            ids = token_ids_of(payload, choice)
+        except UnknownTokenIds as exc:  # the answer is good; only its ids are not usable
+            self._fall_back_to_text(endpoint, f"token ids in a shape we do not know: {exc}")
+            ids = None
         if finish == "abort":  # SGLang: the scheduler dropped the request; ask again
             raise TransientError(f"{url}: generation aborted by the server")
         usage = payload.get("usage") or {}
@@ -431,7 +519,7 @@ class OpenAIEngine:
                 (reasoning or "") + content + _calls_text(tool_calls)
             )
             usage_source = "tokenizer"
-        return Completion(
+        completion = Completion(
             content=content,
             finish_reason=finish,
             prompt_tokens=int(prompt_tokens or 0),
@@ -442,6 +530,37 @@ class OpenAIEngine:
             prompt_ids=ids[0] if ids else None,
             completion_ids=ids[1] if ids else None,
         )
+        cut = cut_by_context(completion, endpoint.max_model_len, self.sampling["max_tokens"])
+        if cut is not None:
+            return TurnFailure(cut, kind=OVER_CONTEXT, spent_tokens=completion.completion_tokens)
+        return completion
+
+
+def cut_by_context(completion: Completion, context: int | None, max_tokens: int) -> str | None:
+    """Why ``completion`` is an answer the server cut where its context ended, or None.
+
+    vLLM 0.32 answers a prompt that fits only without its ``max_tokens`` by lowering
+    ``max_tokens`` to what the context has left: ``finish_reason: length`` before
+    ``max_tokens``, prompt and completion together reaching ``max_model_len``. SGLang
+    refuses the same request (a 400); both are over-context. Without a reported context,
+    or without the server's own usage, nothing is judged: keeping a short answer is
+    safer than dropping a good one."""
+    if context is None or completion.usage_source != "server":
+        return None
+    used = completion.prompt_tokens + completion.completion_tokens
+    if completion.finish_reason != "length" or completion.completion_tokens >= max_tokens:
+        return None
+    if used < context:
+        return None
+    return (
+        f"over context: the prompt's {completion.prompt_tokens} tokens leave "
+        f"{completion.completion_tokens} of max_tokens {max_tokens} in the server's "
+        f"max_model_len {context} (it cut the answer there)"
+    )
+
+
+def _without_token_ids(body: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k != TOKEN_IDS_FIELD}
 
 
 async def _discard_captured_states(payload: Any) -> None:

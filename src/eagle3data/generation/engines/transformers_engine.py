@@ -40,7 +40,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from ...chat import THINK_CLOSE, THINK_OPEN, render, split_reasoning
 from ...model_config import context_length
 from ...target import load_causal_lm
-from . import Completion, Message, Tools, TurnFailure
+from . import OVER_CONTEXT, Completion, Message, Tools, TurnFailure
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,8 @@ class TransformersEngine:
         for i, ids in enumerate(prompts):
             if self.context_length and len(ids) >= self.context_length:
                 results[i] = TurnFailure(
-                    f"prompt has {len(ids)} tokens; the model context is {self.context_length}"
+                    f"prompt has {len(ids)} tokens; the model context is {self.context_length}",
+                    kind=OVER_CONTEXT,
                 )
             elif self.context_length and len(ids) + max_tokens > self.context_length:
                 max_new = self.context_length - len(ids)

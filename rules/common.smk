@@ -10,11 +10,11 @@ from snakemake.utils import min_version, validate
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from eagle3data import layout
-from eagle3data.config import canonical_json
+from eagle3data.config import canonical_json, check_config
 from eagle3data.driver_signals import relay_sigterm_off_main_thread
 from eagle3data.generation.settings import generation_settings
 from eagle3data.gpu_slots import job_gpus
-from eagle3data.errors import PromptFormatError
+from eagle3data.errors import ConfigError, PromptFormatError
 from eagle3data.hidden_states.settings import hidden_state_settings
 from eagle3data.prompts.readers import source_files
 from eagle3data.tokenization.settings import tokenize_settings
@@ -23,6 +23,14 @@ min_version("9.0")
 
 
 validate(config, "../config/schema.yaml")
+# Keys that cannot go together, and packages what the config enables needs: refused now,
+# not when their job runs after days of generation; in one line (raised, Snakemake would
+# add its own traceback of this file).
+try:
+    check_config(config)
+except ConfigError as problem:
+    print(problem, file=sys.stderr)
+    raise SystemExit(1)
 
 DATASETS = list(config["datasets"])
 

@@ -6,6 +6,7 @@ error also keeps the built-in base callers would expect (``ValueError`` for bad 
 or config, ``RuntimeError`` for a run that cannot go on)::
 
     UserError
+    ├── ConfigError             (ValueError)    the workflow config asks for what cannot run
     ├── ModelConfigError        (ValueError)    the model's config.json is ambiguous or incomplete
     ├── PromptFormatError       (ValueError)    a malformed prompt record: file, line, field
     ├── ChatTemplateError       (ValueError)    a conversation the chat template cannot render
@@ -23,6 +24,7 @@ or config, ``RuntimeError`` for a run that cannot go on)::
     ├── VLLMCaptureError        (RuntimeError)  the vLLM server does not capture as asked
     ├── DiskSpaceError          (RuntimeError)  the hidden states would not fit on the disk
     ├── SpeculatorsExportError  (RuntimeError)  shards not exportable exactly for speculators
+    ├── DraftCheckError         (ValueError)    a draft check that cannot run as configured
     └── ValidationError         (RuntimeError)  produced data failed a check
 
 This module imports nothing, so the job runner can tell a user error from a bug on its
@@ -34,6 +36,11 @@ from __future__ import annotations
 
 class UserError(Exception):
     """A problem with the user's config, data or environment; the message says what to do."""
+
+
+class ConfigError(UserError, ValueError):
+    """The workflow config (or this environment) cannot run what it asks for; one line per
+    problem, naming the keys."""
 
 
 class ModelConfigError(UserError, ValueError):
@@ -104,6 +111,11 @@ class DiskSpaceError(UserError, RuntimeError):
 
 class SpeculatorsExportError(UserError, RuntimeError):
     """The shards cannot be made into exactly what speculators trains on."""
+
+
+class DraftCheckError(UserError, ValueError):
+    """The trained-draft check cannot run: its settings, its dependencies, the target's
+    final norm or the memory the shards would need."""
 
 
 class ValidationError(UserError, RuntimeError):

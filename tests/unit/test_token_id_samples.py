@@ -174,3 +174,45 @@ def test_the_stage_counts_and_shows_where_turns_differ(
     responses.write_text(json.dumps(rows[2]) + "\n" + json.dumps(broken) + "\n")
     with pytest.raises(ResponseError, match=r"A1\.jsonl:2 \(id 'same'\): 1 turns with token ids"):
         tokenize(responses_path=str(responses), **kwargs)
+
+
+def ten_turn_row(tokenizer: Any, break_after: int) -> tuple[list[dict], dict]:
+    """A 10-turn chat whose assistant turn number ``break_after`` (1-based) is a
+    non-canonical completion: the server re-tokenizes it canonically as history, so only
+    the next turn's prompt does not extend the ids before it."""
+    messages: list[dict] = [{"role": "system", "content": "Be brief."}]
+    for k in range(1, 11):
+        messages.append({"role": "user", "content": f"What is {k} plus {k}?"})
+        messages.append({"role": "assistant", "content": f"{k} plus {k} is {2 * k}."})
+    turns: list[dict] = []
+    previous: list[int] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        split = len(turns) + 1 == break_after
+        prompt, completion = engine_token_ids(tokenizer, messages[:i], m, split=split)
+        turns.append({"token_ids": compact_token_ids(previous, prompt, completion)})
+        previous = prompt + completion
+    return messages, {"id": "chat", "index": 0, "messages": messages, "turns": turns}
+
+
+def test_one_break_in_ten_turns_splits_only_there() -> None:
+    tok = fx.smollm2()
+    messages, response = ten_turn_row(tok, break_after=6)
+    made = make(tok, response)
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    # Turns 1-6 extend each other; turn 7's prompt is the server's canonical history.
+    assert [s.turn for s in made.samples] == [assistant[0], assistant[6]]
+    ids = [
+        engine_token_ids(tok, messages[:i], messages[i], split=k == 5)
+        for k, i in enumerate(assistant)
+    ]
+    for sample, turns in zip(made.samples, [ids[:6], ids[6:]], strict=True):
+        last_prompt, last_completion = turns[-1]
+        assert sample.input_ids == last_prompt + last_completion
+        supervised = [t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m]
+        assert supervised == [t for _, completion in turns for t in completion]
+    # Every turn is trained once, on one copy of its context (about 5.5x per turn before).
+    conversation = len(ids[-1][0]) + len(ids[-1][1])
+    stored = sum(len(s.input_ids) for s in made.samples)
+    assert stored / conversation < 2

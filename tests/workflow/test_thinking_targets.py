@@ -13,7 +13,6 @@ engine's ids, and a direct forward of the decoder.
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -176,8 +175,8 @@ def encoded(tokenizer: Any, samples: list[dict]) -> list[dict]:
 def samples_from_engine_ids(tokenizer: Any, response: dict[str, Any], thinking: bool) -> list[dict]:
     """What the samples of a row with ids must be, restated: each turn's prompt ids are
     Kimi's own encode of the prompt the template renders, its completion ids decode to
-    what the row says it produced; one sample when every turn's prompt ids extend the
-    previous turn's ids, else one per turn, the completion ids supervised."""
+    what the row says it produced; a new sample from each turn whose prompt ids do not
+    extend the previous turn's ids (one sample when none), the completion ids supervised."""
     messages = response["messages"]
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     views = []
@@ -199,24 +198,23 @@ def samples_from_engine_ids(tokenizer: Any, response: dict[str, Any], thinking: 
         assert got == want if turn["finish_reason"] == "stop" else want.startswith(got)
         views.append((i, prompt, completion))
         done = prompt + completion
-    whole = all(
-        now[1][: len(last[1]) + len(last[2])] == last[1] + last[2]
-        for last, now in itertools.pairwise(views)
-    )
-    if whole:
-        _, prompt, completion = views[-1]
+    # A turn whose prompt ids do not extend the previous turn's ids starts a new sample.
+    runs: list[list[tuple[int, list[int], list[int]]]] = []
+    before: list[int] = []
+    for view in views:
+        if not runs or view[1][: len(before)] != before:
+            runs.append([])
+        runs[-1].append(view)
+        before = view[1] + view[2]
+    samples = []
+    for run in runs:
+        _, prompt, completion = run[-1]
         mask = [0] * (len(prompt) + len(completion))
-        for _, p, c in views:
+        for _, p, c in run:
             mask[len(p) : len(p) + len(c)] = [1] * len(c)
-        return [{"id": response["id"], "input_ids": prompt + completion, "loss_mask": mask}]
-    return [
-        {
-            "id": response["id"] if len(views) == 1 else f"{response['id']}#{i}",
-            "input_ids": p + c,
-            "loss_mask": [0] * len(p) + [1] * len(c),
-        }
-        for i, p, c in views
-    ]
+        sample_id = response["id"] if len(runs) == 1 else f"{response['id']}#{run[0][0]}"
+        samples.append({"id": sample_id, "input_ids": prompt + completion, "loss_mask": mask})
+    return samples
 
 
 def check_states(wf: Workflow, model_dir: Path, tokenized: pl.DataFrame) -> None:

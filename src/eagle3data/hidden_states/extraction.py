@@ -31,10 +31,11 @@ if TYPE_CHECKING:
 
 # How conversations became samples (chat module docstring), for the people who train.
 SAMPLES_ATTR = (
-    "one sample per conversation; one per assistant turn ({id}#{turn}, turn = message "
-    "index) when the chat template renders history differently from the generation-time "
-    "view (e.g. drops history reasoning): each sample is the prompt the target saw plus "
-    "the turn it produced, and only that turn is supervised"
+    "one sample per conversation; where the history a turn was generated on differs from "
+    "the turns before it as produced (e.g. the template drops history reasoning), a new "
+    "sample starts at that turn ({id}#{turn}, turn = message index of its first assistant "
+    "turn): each sample is the prompt the target saw plus the turns it produced from there, "
+    "and only those turns are supervised"
 )
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from ..tokenization.table import sample_id_of
 from . import agreement
 from .final_state import PRE_NORM, FinalNorm, final_state_of, load_final_norm
 from .layers import AuxLayerError, resolve_aux_layers
+from .response_masks import SampledResponse, response_mask_errors
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ CHECKS = [
     "aux layer ids and layer count as the config's rule gives them for the model",
     "a seeded sample of responses, made into samples again from scratch (from the engine's "
     "token ids, else re-rendered and re-tokenized), equals the shards' token ids and loss masks",
+    "the same responses against the shards without that code: each sample's supervised tokens "
+    "are the completion ids the response row stores for its turns, in order, and decode to "
+    "the turns' reasoning and content (rows without ids: the supervised tokens' text holds "
+    "the assistant turns' text, in order)",
 ]
 AGREEMENT_CHECK = (
     "the target agrees with the tokens it generated: lm_head(last state at t) predicts the "
@@ -113,6 +118,58 @@ def _read_responses(responses_path: str) -> _Responses:
     return out
 
 
+def sampled_responses(responses_path: str, count: int, seed: int = 0) -> list[SampledResponse]:
+    """A seeded sample of ``count`` response rows, in file order (streamed: responses can
+    be GBs)."""
+    import numpy as np
+
+    with open(responses_path, "rb") as fh:
+        total = sum(1 for _ in fh)
+    if not total or count <= 0:
+        return []
+    picked = np.random.default_rng(seed).choice(total, min(count, total), replace=False)
+    chosen = set(picked.tolist())
+    with open(responses_path, encoding="utf-8") as fh:
+        lines = {n: line for n, line in enumerate(fh) if n in chosen}
+    return [
+        SampledResponse(json.loads(lines[n]), f"{responses_path}:{n + 1}") for n in sorted(lines)
+    ]
+
+
+def response_sample_errors(
+    responses_path: str,
+    shard_paths: Sequence[str],
+    *,
+    model_path: str,
+    tokenize: Mapping[str, Any],
+    trust_remote_code: bool,
+    count: int,
+    dropped_ids: Collection[str] = (),
+    seed: int = 0,
+) -> list[str]:
+    """The checks of a seeded sample of ``count`` responses against the shards: made into
+    samples again (:func:`retokenize_errors`) and, without the code that made them, the
+    supervised tokens against the rows (:mod:`.response_masks`; ``dropped_ids``: the
+    samples the tokenize stage recorded as dropped)."""
+    from ..target import load_tokenizer
+
+    responses = sampled_responses(responses_path, count, seed)
+    if not responses:
+        return []
+    tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+    return [
+        *_retokenized_errors(tokenizer, responses, shard_paths, tokenize),
+        *response_mask_errors(
+            tokenizer,
+            responses,
+            shard_paths,
+            max_seq_len=tokenize["max_seq_len"],
+            reasoning=tokenize["reasoning"],
+            dropped_ids=dropped_ids,
+        ),
+    ]
+
+
 def retokenize_errors(
     responses_path: str,
     shard_paths: Sequence[str],
@@ -126,30 +183,33 @@ def retokenize_errors(
     """Make a seeded sample of ``count`` responses into samples again from scratch
     (:func:`..tokenization.samples.tokenize_response`: the engine's token ids, else the
     chat module's re-render; the target's tokenizer, the tokenize settings) and compare each
-    sample with what the shards hold: the end-to-end check of the loss mask and the token
-    ids, which the agreement check cannot see (a mask shifted by one token still selects
-    tokens the target predicts well)."""
-    import numpy as np
-
+    sample with what the shards hold: the check of the token ids (a stale or foreign
+    tokenization) and of the loss mask, which the agreement check cannot see (a mask
+    shifted by one token still selects tokens the target predicts well). It re-runs the
+    code it checks: :mod:`.response_masks` checks the masks without it."""
     from ..target import load_tokenizer
+
+    responses = sampled_responses(responses_path, count, seed)
+    if not responses:
+        return []
+    tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+    return _retokenized_errors(tokenizer, responses, shard_paths, tokenize)
+
+
+def _retokenized_errors(
+    tokenizer: Any,
+    responses: Sequence[SampledResponse],
+    shard_paths: Sequence[str],
+    tokenize: Mapping[str, Any],
+) -> list[str]:
     from ..tokenization.samples import tokenize_response
 
-    with open(responses_path, "rb") as fh:
-        total = sum(1 for _ in fh)
-    if not total or count <= 0:
-        return []
-    picked = np.random.default_rng(seed).choice(total, min(count, total), replace=False)
-    chosen = set(picked.tolist())
-    with open(responses_path, encoding="utf-8") as fh:  # streamed: responses can be GBs
-        lines = {n: line for n, line in enumerate(fh) if n in chosen}
-    tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
     # sample id -> (where it comes from, what tokenize_response gives for it, from what)
     expected: dict[str, tuple[str, list[int], list[int], str]] = {}
-    for line_no in sorted(lines):
-        response = json.loads(lines[line_no])
+    for response in responses:
         made = tokenize_response(
             tokenizer,
-            response,
+            response.row,
             chat_template_kwargs=tokenize["chat_template_kwargs"],
             max_seq_len=tokenize["max_seq_len"],
             reasoning=tokenize["reasoning"],
@@ -157,9 +217,8 @@ def retokenize_errors(
         samples = made.samples
         for tok in samples:
             if tok.num_loss_tokens:  # else dropped at tokenize time (recorded there)
-                sid = sample_id_of(response["id"], tok.turn, len(samples))
-                origin = f"{responses_path}:{line_no + 1}"
-                expected[sid] = (origin, tok.input_ids, tok.loss_mask, made.source)
+                sid = sample_id_of(response.row["id"], tok.turn, len(samples))
+                expected[sid] = (response.origin, tok.input_ids, tok.loss_mask, made.source)
     errors: list[str] = []
     for path in shard_paths:
         with open_shard(path) as shard:
@@ -319,13 +378,14 @@ def validate(
             )
         if model_path is not None and tokenize is not None and retokenize_samples:
             errors.extend(
-                retokenize_errors(
+                response_sample_errors(
                     responses_path,
                     shard_paths,
                     model_path=model_path,
                     tokenize=tokenize,
                     trust_remote_code=trust_remote_code,
                     count=retokenize_samples,
+                    dropped_ids={str(d.get("id")) for d in tok_stats["dropped"]},
                 )
             )
     if errors:

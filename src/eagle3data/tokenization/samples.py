@@ -12,13 +12,16 @@ From the engine's ids
     tokenization of its own text, reasoning parsers strip the reasoning's whitespace, and
     a server's render may differ from ours (null keys, its own tool handling).
 
-    When every turn's prompt ids extend the previous turn's prompt and completion ids, the
-    conversation is **one sample**: the last turn's prompt and completion ids, each turn's
-    completion supervised. Otherwise (the server rendered history otherwise than the
-    target produced it: Qwen3's and Kimi's templates drop history reasoning; a completion
-    re-tokenized differently as history) it is **one sample per assistant turn**: that
-    turn's prompt ids then its completion ids, the completion supervised. The loss mask
-    covers exactly the completion ids, never a token the template writes.
+    Consecutive turns whose prompt ids extend the previous turn's prompt and completion
+    ids make **one sample**: the prompt and completion ids of the last of them, each
+    turn's completion supervised. A turn whose prompt ids do not (a **break**: the server
+    rendered history otherwise than the target produced it: Qwen3's and Kimi's templates
+    drop history reasoning; a stop string, a re-serialized tool call or a non-canonical
+    sampled token re-tokenized differently as history) starts a new sample, its prompt
+    the server's render of the context. A conversation without breaks is one sample; a
+    thinking target that drops history reasoning breaks at every turn, one sample per
+    turn; one break in ten turns makes two samples, not ten. The loss mask covers exactly
+    the completion ids, never a token the template writes.
 
     ``tokenize.reasoning: drop`` trains a draft for thinking off on text the target never
     produced that way, so it always takes the re-render.
@@ -127,23 +130,42 @@ def tokenize_response(
 def samples_from_ids(
     turns: Sequence[tuple[int, Sequence[int], Sequence[int]]],
 ) -> list[TokenizedConversation]:
-    """Untruncated samples of (message index, prompt ids, completion ids) per turn."""
-    whole = True
+    """Untruncated samples of (message index, prompt ids, completion ids) per turn: one
+    per run of turns that extend each other (see the module docstring); a sample's
+    ``turn`` is its first turn's message index, None when it is the whole conversation."""
+    runs = _extending_runs(turns)
+    if len(runs) == 1:
+        return [_run_sample(runs[0], None)]
+    return [_run_sample(run, run[0][0]) for run in runs]
+
+
+def _extending_runs(
+    turns: Sequence[tuple[int, Sequence[int], Sequence[int]]],
+) -> list[list[tuple[int, Sequence[int], Sequence[int]]]]:
+    """The turns cut where a turn's prompt ids do not start with the previous turn's
+    prompt and completion ids (a break: the server rendered history otherwise)."""
+    runs: list[list[tuple[int, Sequence[int], Sequence[int]]]] = []
     done: list[int] = []
-    for _, prompt, completion in turns:
-        whole = whole and list(prompt[: len(done)]) == done
+    for turn in turns:
+        _, prompt, completion = turn
+        if not runs or list(prompt[: len(done)]) != done:
+            runs.append([])
+        runs[-1].append(turn)
         done = [*prompt, *completion]
-    if whole:
-        _, prompt, completion = turns[-1]
-        mask = [0] * (len(prompt) + len(completion))
-        for _, p, c in turns:
-            mask[len(p) : len(p) + len(c)] = [1] * len(c)
-        ids = [*prompt, *completion]
-        return [TokenizedConversation(ids, mask, len(ids), None)]
-    return [
-        TokenizedConversation([*p, *c], [0] * len(p) + [1] * len(c), len(p) + len(c), index)
-        for index, p, c in turns
-    ]
+    return runs
+
+
+def _run_sample(
+    run: Sequence[tuple[int, Sequence[int], Sequence[int]]], turn: int | None
+) -> TokenizedConversation:
+    """The last turn's prompt and completion ids, every turn's completion supervised
+    (each turn's prompt extends the one before, so its completion sits at its own place)."""
+    _, prompt, completion = run[-1]
+    ids = [*prompt, *completion]
+    mask = [0] * len(ids)
+    for _, p, c in run:
+        mask[len(p) : len(p) + len(c)] = [1] * len(c)
+    return TokenizedConversation(ids, mask, len(ids), turn)
 
 
 def _truncated(sample: TokenizedConversation, max_seq_len: int | None) -> TokenizedConversation:

@@ -1,6 +1,6 @@
 """The tokenize stage: each response becomes the training samples it makes (the whole
-conversation, or one per assistant turn where history was rendered otherwise than the
-target produced it), built from the token ids the engine returned, checked against the
+conversation, or a new sample from each turn whose history was rendered otherwise than
+the target produced it), built from the token ids the engine returned, checked against the
 chat template's re-render (:mod:`.samples`), or, for rows without ids, rendered with the
 target's chat template and tokenized once with its own tokenizer (:mod:`..chat`); what the
 target produced is marked; samples left with nothing to learn are dropped and recorded.
@@ -100,7 +100,8 @@ def tokenize(
         "truncated": int(df["truncated"].sum() or 0),
         "max_seq_len": max_seq_len,
         "reasoning": reasoning,
-        # Conversations trained as one sample per assistant turn (module docstring of chat).
+        # Conversations trained as more than one sample: split at the turns whose history
+        # differs from what the target produced before (.samples, chat module docstring).
         "conversations_split_per_turn": per_turn,
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "chat_template_hash": chat_template_hash(tokenizer),

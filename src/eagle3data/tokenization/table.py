@@ -2,8 +2,8 @@
 
 One row per training sample that has something to learn, in response order: ``index``
 (the response's position in the seeded order), ``id`` (the sample id, see
-:func:`sample_id_of`), ``turn`` (null for a whole conversation, else the index of the
-one assistant message the sample trains), ``input_ids`` (int32), ``loss_mask`` (uint8,
+:func:`sample_id_of`), ``turn`` (null for a whole conversation, else the message index of
+the first assistant turn the sample trains), ``input_ids`` (int32), ``loss_mask`` (uint8,
 1 on what the target produced), ``num_tokens`` and ``truncated`` (cut at
 ``max_seq_len``). Shard planning, extraction and the draft vocabulary read it back here.
 """
@@ -33,7 +33,9 @@ SHARD_COLUMNS = ["id", "num_tokens", "input_ids", "loss_mask"]
 
 def sample_id_of(response_id: str, turn: int | None, samples: int) -> str:
     """A sample's id: the response's own when the response makes one sample, else
-    ``{response_id}#{turn}`` (one per assistant turn, ``turn`` its message index)."""
+    ``{response_id}#{turn}``, ``turn`` the message index of the first assistant turn the
+    sample trains (it trains that turn and the turns after it up to the next sample's;
+    per-turn samples, one turn each, are the case where every turn starts one)."""
     return response_id if samples == 1 else f"{response_id}#{turn}"
 
 

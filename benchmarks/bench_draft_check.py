@@ -1,11 +1,13 @@
 """Does a draft trained on a run's shards beat the controls? The figures of BENCHMARKS.md.
 
 Trains vLLM speculators' own ``Eagle3DraftModel`` (1 layer, sdpa, eager KL loss, our loop)
-on a finished run's validated shards, against the same draft trained on states shifted one
-position and the untrained draft, for several seeds, and prints per-seed and mean +- std
-step-1 agreement and acceptance length (chain of 3) on held-out conversations
-(:mod:`eagle3data.consumers.draft_check`). Optionally repeats the trained variant on a
-fraction of the training conversations, to show how the margin depends on the data size.
+on a finished run's validated shards, against three controls (the same draft trained with
+each position's aux states replaced by another position's, trained on states shifted one
+position, and untrained), for several seeds, and prints per-seed and mean +- std step-1
+agreement and acceptance length (chain of 3) on held-out conversations, the margins and
+whether the check's criterion holds (:mod:`eagle3data.consumers.draft_check`). Optionally
+repeats the trained variant on a fraction of the training conversations, to show how the
+margin depends on the data size.
 
     .venv/bin/python benchmarks/bench_draft_check.py RUN_DIR [--seeds 0 1 2] [--epochs 30]
         [--fractions 0.25 0.5 [--fractions-only]] [--threads 1] [--out summary.json]
@@ -29,7 +31,9 @@ import torch
 import yaml
 
 from eagle3data.consumers.draft_check import (
+    VARIANTS,
     DraftCheckSettings,
+    conversation_keys,
     load_samples,
     run_draft_check,
     split_conversations,
@@ -53,7 +57,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=DraftCheckSettings.lr)
     parser.add_argument("--fractions", type=float, nargs="*", default=[])
     parser.add_argument(
-        "--fractions-only", action="store_true", help="skip the three-variant comparison"
+        "--fractions-only", action="store_true", help="skip the comparison with the controls"
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path)
@@ -79,34 +83,44 @@ def main() -> None:
         summary["seconds"] = time.monotonic() - start
         print(
             f"\n{platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s), "
-            f"{summary['conversations']} conversations, {summary['train_tokens']} training tokens, "
+            f"{summary['conversations']} conversations ({summary['samples']} samples), "
+            f"{summary['train_tokens']} training tokens, draft vocabulary "
+            f"{summary['draft_vocab_size']} (training side), "
             f"{summary['seconds']:.0f} s"
         )
         print("\n| draft | per seed " + " ".join(str(s) for s in args.seeds) + " | mean +- std |")
         print("|---|---|---|")
         for metric in ("step1_agreement", "acceptance_length"):
-            for variant in ("trained", "shifted", "untrained"):
+            for variant in VARIANTS:
                 values = [r["metrics"][metric] for r in summary["runs"] if r["variant"] == variant]
                 print(_row(f"{variant}: {metric}", values))
         print("\nmargins (min trained - max control, largest seed spread):")
         for key, value in summary["margins"].items():
             print(f"  {key}: {value['margin']:.3f} (spread {value['spread']:.3f})")
+        verdict = summary["criterion"]
+        print(f"\ncriterion ({verdict['rule']}): {verdict['controls']}")
+        print("holds" if verdict["passed"] else f"does not hold: {verdict['reason']}")
 
     if args.fractions:
         # The same held-out conversations, fewer training ones.
+        keys = conversation_keys(samples)
         train_idx, held_idx = split_conversations(
-            [s.id for s in samples], settings.heldout_fraction, settings.split_seed
+            keys, settings.heldout_fraction, settings.split_seed
         )
+        held_conversations = len({keys[i] for i in held_idx})
         summary["fractions"] = {}
         print(
             "\n| training conversations | step-1 agreement per seed | acceptance length per seed |"
         )
         print("|---|---|---|")
         for fraction in args.fractions:
-            keep = train_idx[: max(1, round(fraction * len(train_idx)))]
+            # Whole conversations: the first of the training side's, in dataset order.
+            train_keys = list(dict.fromkeys(keys[i] for i in train_idx))
+            kept = set(train_keys[: max(1, round(fraction * len(train_keys)))])
+            keep = [i for i in train_idx if keys[i] in kept]
             subset = [samples[i] for i in sorted(keep + held_idx)]
-            # The split orders by a hash of the ids: the held-out ones come first in the
-            # subset too, and this fraction selects exactly them again.
+            # The split orders conversations by a hash of their keys: the held-out ones come
+            # first in the subset too, and this fraction selects exactly them again.
             part = run_draft_check(
                 subset,
                 model_dir,
@@ -116,7 +130,7 @@ def main() -> None:
                     seeds=settings.seeds,
                     epochs=settings.epochs,
                     lr=settings.lr,
-                    heldout_fraction=(len(held_idx) - 0.5) / len(subset),
+                    heldout_fraction=(held_conversations - 0.5) / (len(kept) + held_conversations),
                 ),
                 variants=("trained",),
             )
@@ -126,7 +140,7 @@ def main() -> None:
             al = [r["metrics"]["acceptance_length"] for r in part["runs"]]
             summary["fractions"][str(fraction)] = part
             print(
-                f"| {len(keep)} of {len(train_idx)}{'' if same else ' (other held-out set)'} | "
+                f"| {len(kept)} of {len(train_keys)}{'' if same else ' (other held-out set)'} | "
                 + " ".join(f"{v:.3f}" for v in s1)
                 + " | "
                 + " ".join(f"{v:.3f}" for v in al)

@@ -1,4 +1,4 @@
-# A draft trained on the shards against two controls (off by default: draft_check.enabled).
+# A draft trained on the shards against three controls (off by default: draft_check.enabled).
 # results/draft_check/summary.json: see src/eagle3data/consumers/draft_check.py.
 
 
@@ -17,5 +17,6 @@ rule draft_check:
     params:
         # What the check trains and measures (not `enabled` or `threads`).
         settings={k: v for k, v in config["draft_check"].items() if k not in ("enabled", "threads")},
+        trust_remote_code=lookup(dpath="model/trust_remote_code", within=config),
     script:
         "../scripts/draft_check.py"

@@ -1,4 +1,4 @@
-"""Snakemake script: train a small EAGLE-3 draft on the shards, against two controls."""
+"""Snakemake script: train a small EAGLE-3 draft on the shards, against three controls."""
 
 import sys
 from pathlib import Path
@@ -17,4 +17,5 @@ run_step(
     out=snakemake.output.summary,
     settings=dict(snakemake.params.settings),
     num_threads=snakemake.threads,
+    trust_remote_code=bool(snakemake.params.trust_remote_code),
 )

@@ -9,7 +9,8 @@ and they differ, nothing guesses (a wrong width or depth would silently shift or
 garble every stored state): :class:`ModelConfigError` says which keys disagree.
 
 This module is the one place that knows that layout (:func:`is_wrapper`,
-:func:`text_decoder_dict`; ``target`` builds the decoder from them). Accepts the parsed JSON,
+:func:`text_decoder_dict`, :func:`decoder_key_mapping` for the checkpoint's tensor names;
+``target`` builds the decoder from them). Accepts the parsed JSON,
 a transformers ``PretrainedConfig`` or a namespace. No transformers import: planning jobs and
 the dry run stay cheap.
 """
@@ -17,6 +18,7 @@ the dry run stay cheap.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,14 @@ from .checks import positive_int
 from .errors import ModelConfigError
 
 DTYPES = ("bfloat16", "float16", "float32")
+
+# Checkpoint names of a wrapper's text decoder -> the decoder's own names: the original
+# Kimi-K2.5 / LLaVA layout, and the layout transformers itself saves wrappers in.
+WRAPPER_KEY_MAPPING = {
+    r"^language_model\.model\.": "model.",
+    r"^language_model\.lm_head\.": "lm_head.",
+    r"^model\.language_model\.": "model.",
+}
 
 
 def read_model_config(model_path: str | Path) -> dict[str, Any]:
@@ -99,6 +109,27 @@ def text_decoder_dict(config: Any) -> dict[str, Any]:
     else the whole config."""
     top, text = _levels(config)
     return dict(top if text is None else text)
+
+
+def decoder_key_mapping(config: Any) -> dict[str, str]:
+    """Regex -> replacement from the checkpoint's tensor names to the text decoder's own
+    (``model.norm.weight``...): :data:`WRAPPER_KEY_MAPPING` for a wrapper, else none (a
+    plain checkpoint already uses the decoder's names). transformers' ``key_mapping``."""
+    return dict(WRAPPER_KEY_MAPPING) if is_wrapper(config) else {}
+
+
+def decoder_tensor_name(stored: str, mapping: Mapping[str, str]) -> str:
+    """The text decoder's name of the checkpoint tensor ``stored`` under ``mapping``
+    (:func:`decoder_key_mapping`)."""
+    for pattern, replacement in mapping.items():
+        stored = re.sub(pattern, replacement, stored)
+    return stored
+
+
+def rms_norm_eps(config: Any) -> float | None:
+    """The text decoder's ``rms_norm_eps``, or None when it declares none."""
+    value = _text_decoder_value(config, "rms_norm_eps")
+    return None if value is None else float(value)
 
 
 def resolve_dtype_name(requested: str, config: Any) -> str:

@@ -26,17 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ModelConfigError
-from .model_config import is_wrapper, read_model_config, text_decoder_dict
+from .model_config import decoder_key_mapping, is_wrapper, read_model_config, text_decoder_dict
 
 TRUST_KEY = "model.trust_remote_code"
-
-# Checkpoint names of a wrapper's text decoder -> the decoder's own names: the original
-# Kimi-K2.5 / LLaVA layout, and the layout transformers itself saves wrappers in.
-_WRAPPER_KEY_MAPPING = {
-    r"^language_model\.model\.": "model.",
-    r"^language_model\.lm_head\.": "lm_head.",
-    r"^model\.language_model\.": "model.",
-}
 
 
 def remote_code_files(model_path: str | Path) -> list[str]:
@@ -129,7 +121,7 @@ def load_causal_lm(
         "output_loading_info": True,
     }
     if wrapper:
-        kwargs["key_mapping"] = _WRAPPER_KEY_MAPPING
+        kwargs["key_mapping"] = decoder_key_mapping(raw)
     multi_gpu = gpus > 1 and resolve_device(device).type == "cuda"
     if multi_gpu:
         kwargs["device_map"] = "auto"

@@ -8,7 +8,9 @@ is measured on the 10 held out (``run_draft_check``), for three seeds. The train
 beat every seed of each control (its worst seed against the control's best) by more than
 :data:`MARGIN` and more than the control's seed-to-seed spread. The same criterion fails
 for the draft trained on states shifted one position against
-the untrained draft: states that do not line up with their tokens fail this test.
+the untrained draft: states that do not line up with their tokens fail this test. The aux
+control (each position's aux states replaced by another's) is measured, not asserted: on 30
+conversations the trained draft's lead over it is below the seed spread (BENCHMARKS.md).
 (The workflow's 6-conversation fixture of ``tests/trainers/conftest.py`` holds out too few
 positions for a margin that clears the noise.)
 """
@@ -42,14 +44,19 @@ AUX = [2, 15, 27]  # the workflow's default for 30 layers (output_hidden_states 
 MARGIN = 0.1  # step-1 agreement; acceptance length (out of 3) gets the same absolute margin
 SETTINGS = DraftCheckSettings(seeds=(0, 1, 2), epochs=10, lr=3e-3, batch_tokens=256)
 COLORS = ["red", "blue", "green", "yellow", "black", "white", "pink", "brown"]
+HOW_MANY = ["one thing that is", "two things that are", "three things that are"]
+HOW_MANY += ["four things that are", "five things that are"]
 
 
 def _prompts() -> list[str]:
     out = []
     for i in range(40):
         a, b = 3 + i, 7 + 2 * i
+        # 40 distinct prompts: the check splits by prompt, and a repeated prompt (the same
+        # greedy answer) would be one conversation, held out or trained on as a whole.
+        k = i // 2
         out.append(
-            f"What is {a} plus {b}?" if i % 2 else f"Name one thing that is {COLORS[i % 8]}."
+            f"What is {a} plus {b}?" if i % 2 else f"Name {HOW_MANY[k // 4]} {COLORS[k % 8]}."
         )
     return out
 
@@ -143,8 +150,13 @@ def test_the_draft_check_rule_runs_on_the_workflows_shards(exported_run: Exporte
     try:
         wf.run("results/draft_check/summary.json", timeout=600)
         summary = json.loads(wf.path("results/draft_check/summary.json").read_text())
-        assert set(summary["aggregate"]) == {"trained", "shifted", "untrained"}
-        assert {key.split(".")[0] for key in summary["margins"]} == {"shifted", "untrained"}
+        assert set(summary["aggregate"]) == {"trained", "aux_shuffled", "shifted", "untrained"}
+        assert {key.split(".")[0] for key in summary["margins"]} == {
+            "aux_shuffled",
+            "shifted",
+            "untrained",
+        }
+        assert summary["criterion"]["passed"] is False  # one seed measures no spread
         assert wf.path("logs/draft_check/draft_check.log").read_text().strip()
         assert wf.plans_nothing()
     finally:

@@ -14,9 +14,12 @@ from eagle3data.model_config import (
     architectures,
     context_length,
     declared_dtype,
+    decoder_key_mapping,
+    decoder_tensor_name,
     hidden_size,
     is_wrapper,
     num_hidden_layers,
+    rms_norm_eps,
     text_decoder_dict,
     vocab_size,
 )
@@ -121,3 +124,28 @@ def test_text_decoder_dict_is_a_copy_of_the_decoders_own_level() -> None:
 def test_a_text_config_that_is_no_object_is_an_error() -> None:
     with pytest.raises(ModelConfigError, match="text_config is a str, not an object"):
         is_wrapper({"text_config": "llama"})
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        "language_model.model.norm.weight",  # Kimi-K2.5 / LLaVA as shipped
+        "model.language_model.norm.weight",  # as transformers saves a wrapper
+    ],
+)
+def test_a_wrappers_tensor_names_map_onto_the_decoders(stored: str) -> None:
+    mapping = decoder_key_mapping(KIMI_LIKE)
+    assert decoder_tensor_name(stored, mapping) == "model.norm.weight"
+    assert decoder_tensor_name("language_model.lm_head.weight", mapping) == "lm_head.weight"
+    # A vision tower's tensor keeps its name: it is no tensor of the decoder.
+    assert decoder_tensor_name("vision_tower.model.norm.weight", mapping).startswith("vision")
+    # A flat checkpoint already uses the decoder's names.
+    assert decoder_key_mapping({"hidden_size": 8}) == {}
+
+
+def test_rms_norm_eps_is_the_text_decoders() -> None:
+    assert rms_norm_eps({"text_config": {"rms_norm_eps": 1e-5}}) == 1e-5
+    assert rms_norm_eps({"rms_norm_eps": 1e-6}) == 1e-6
+    assert rms_norm_eps({"layer_norm_eps": 1e-5}) is None
+    with pytest.raises(ModelConfigError, match="rms_norm_eps"):
+        rms_norm_eps({"rms_norm_eps": 1e-6, "text_config": {"rms_norm_eps": 1e-5}})

@@ -2,24 +2,37 @@
 
 The model and the loss are vLLM speculators' own (``Eagle3DraftModel`` with sdpa attention,
 its eager KL loss and its own ``shift_batch`` alignment); only the training loop is ours,
-because its ``Trainer`` moves the model to an accelerator unconditionally. Three drafts share
+because its ``Trainer`` moves the model to an accelerator unconditionally. Four drafts share
 the init seed and the held-out conversations:
 
 - ``trained``: trained on the shards as they are;
+- ``aux_shuffled``: trained on the same tokens, loss masks and teacher (final state) with each
+  position's aux states replaced by another position's (:func:`shuffle_aux_states`, seeded by
+  the training seed). The draft reads only the aux states and the tokens; the final state only
+  makes the teacher. This draft can learn token statistics and nothing the aux states carry
+  about their position: beating it is what shows the aux states carry the signal;
 - ``shifted``: trained on the same data with every hidden state (aux and final) moved one
   position later than its token (row t holds the states of row t-1): the broken link the
-  validate stage's agreement check catches;
-- ``untrained``: the init, never trained.
+  validate stage's agreement check catches. Its teacher moves too (one position late), so it
+  shows the check sees that misalignment, not that the aux states carry the signal;
+- ``untrained``: the init, never trained (the floor: the loop trains at all).
 
-Metrics (:func:`chain_metrics`), on conversations held out by a seeded split
-(:func:`split_conversations`). With speculators' alignment, position t of a conversation
-feeds the draft the target's aux states g_t and token x_{t+1}; draft step k (k = 1..K)
-proposes the token x_{t+1+k}. Verification is greedy against the target's own tokens: the
-target produced the response tokens (the demo generates greedily), so the draft's step-k
-token is accepted when it and every earlier step's token equal the tokens the target
-produced there, and each of those tokens is supervised (``loss_mask`` 1: the target
-produced it; a prompt token or the end of the conversation ends the chain). Start
-positions are those whose first proposed token is supervised.
+The criterion (:func:`criterion`): for every control and metric, the worst trained seed beats
+the best control seed by more than the larger seed-to-seed spread (max - min) of the two.
+
+Metrics (:func:`chain_metrics`), on conversations held out by a seeded split by conversation
+(:func:`conversation_keys`, :func:`split_conversations`): every sample of one conversation,
+and the same first prompt in any dataset, lands on one side. The draft vocabulary is re-chosen
+from the training side's supervised tokens (:func:`training_vocab`).
+
+With speculators' alignment, position t of a conversation feeds the draft the target's aux
+states g_t and token x_{t+1}; draft step k (k = 1..K) proposes the token x_{t+1+k}.
+Verification is greedy against the target's own tokens: the target produced the response
+tokens (the demo generates greedily), so the draft's step-k token is accepted when it and
+every earlier step's token equal the tokens the target produced there, and each of those
+tokens is supervised (``loss_mask`` 1: the target produced it; a prompt token or the end of
+the conversation ends the chain). Start positions are those whose first proposed token is
+supervised.
 
 - ``step1_agreement``: the fraction of start positions whose step-1 token is accepted;
 - ``acceptance_length``: E[number of consecutive accepted draft tokens out of K] over start
@@ -42,6 +55,7 @@ import copy
 import hashlib
 import logging
 import math
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -51,7 +65,13 @@ from typing import Any
 
 import torch
 
-from ..hidden_states.final_state import PRE_NORM, final_state_of
+from ..errors import DraftCheckError, ModelConfigError
+from ..hidden_states.final_state import (
+    PRE_NORM,
+    final_state_of,
+    plain_rms_norm_weight,
+    prenorm_from_postnorm,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +80,21 @@ __all__ = [
     "DraftCheckSettings",
     "Sample",
     "chain_metrics",
+    "conversation_keys",
+    "criterion",
     "load_samples",
     "prenorm_from_postnorm",
     "run_draft_check",
     "shift_states",
+    "shuffle_aux_states",
     "split_conversations",
     "summarize",
+    "training_vocab",
 ]
 
-VARIANTS = ("trained", "shifted", "untrained")
-CONTROLS = ("shifted", "untrained")
+VARIANTS = ("trained", "aux_shuffled", "shifted", "untrained")
+CONTROLS = ("aux_shuffled", "shifted", "untrained")
+METRICS = ("step1_agreement", "acceptance_length")
 
 
 @dataclass(frozen=True)
@@ -123,7 +148,8 @@ class Sample:
 
 
 def load_samples(shard_dirs: Sequence[str | Path]) -> list[Sample]:
-    """Every conversation of the shard directories, states in float32."""
+    """Every conversation of the shard directories, states in float32, all in memory (the
+    stage function first refuses shards over its bound: :func:`check_memory`)."""
     from eagle3data.loader import HiddenStateDataset
 
     dataset = HiddenStateDataset([str(d) for d in shard_dirs])
@@ -146,25 +172,68 @@ def load_samples(shard_dirs: Sequence[str | Path]) -> list[Sample]:
         dataset.close()
 
 
-def split_conversations(
-    ids: Sequence[str], heldout_fraction: float, seed: int
-) -> tuple[list[int], list[int]]:
-    """(train, held-out) indices: conversations ordered by a seeded hash of their id, the
-    first ``ceil(fraction * n)`` held out (at least one, and at least one left to train).
+_TURN_SUFFIX = re.compile(r"#\d+$")
 
-    The split depends only on the ids and the seed, not on their order or count elsewhere.
+
+def conversation_keys(samples: Sequence[Sample]) -> list[str]:
+    """Per sample, the key the held-out split draws by: a hash of its conversation's first
+    prompt as the target read it.
+
+    The prompts table's ``prompt_hash`` is not in the shards, so the key is derived from what
+    is: a conversation's samples are its whole sample or its per-turn samples ``{id}#{turn}``
+    (one dataset, one id), and the tokens before the first supervised token of its earliest
+    sample are the rendered first prompt (system, first user turn, assistant header). The same
+    prompt in two datasets renders to the same tokens, so it gets the same key; with greedy
+    decoding its answer is the same too.
     """
-    if len(ids) < 2:
-        raise ValueError(f"need at least 2 conversations to hold some out, got {len(ids)}")
-    if len(set(ids)) != len(ids):
-        raise ValueError("conversation ids are not unique")
+    groups: dict[str, list[int]] = {}
+    for i, sample in enumerate(samples):
+        groups.setdefault(_TURN_SUFFIX.sub("", sample.id), []).append(i)
+    keys = [""] * len(samples)
+    for members in groups.values():
+        first = min(members, key=lambda i: _turn_of(samples[i].id))
+        prompt = _prompt_tokens(samples[first])
+        key = hashlib.sha256(prompt.numpy().astype("<i8").tobytes()).hexdigest()[:16]
+        for i in members:
+            keys[i] = key
+    return keys
 
-    def key(i: int) -> str:
-        return hashlib.sha256(f"{seed}\0{ids[i]}".encode()).hexdigest()
 
-    order = sorted(range(len(ids)), key=key)
-    n_held = min(len(ids) - 1, max(1, math.ceil(heldout_fraction * len(ids))))
-    return sorted(order[n_held:]), sorted(order[:n_held])
+def _turn_of(sample_id: str) -> int:
+    match = _TURN_SUFFIX.search(sample_id)
+    return int(match.group()[1:]) if match else -1
+
+
+def _prompt_tokens(sample: Sample) -> torch.Tensor:
+    """The tokens before the first supervised one (all of them when none is)."""
+    supervised = sample.loss_mask.nonzero()
+    end = int(supervised[0]) if len(supervised) else len(sample.input_ids)
+    return sample.input_ids[:end].long()
+
+
+def split_conversations(
+    keys: Sequence[str], heldout_fraction: float, seed: int
+) -> tuple[list[int], list[int]]:
+    """(train, held-out) sample indices: samples sharing a key (:func:`conversation_keys`) are
+    one conversation; conversations ordered by a seeded hash of their key, the first
+    ``ceil(fraction * n)`` held out (at least one, and at least one left to train).
+
+    The split depends only on the keys and the seed, not on their order or count elsewhere.
+    """
+    conversations = list(dict.fromkeys(keys))
+    if len(conversations) < 2:
+        raise DraftCheckError(
+            f"need at least 2 conversations to hold some out, got {len(conversations)}"
+        )
+
+    def order(key: str) -> str:
+        return hashlib.sha256(f"{seed}\0{key}".encode()).hexdigest()
+
+    ranked = sorted(conversations, key=order)
+    n_held = min(len(ranked) - 1, max(1, math.ceil(heldout_fraction * len(ranked))))
+    held = set(ranked[:n_held])
+    indices = range(len(keys))
+    return [i for i in indices if keys[i] not in held], [i for i in indices if keys[i] in held]
 
 
 def shift_states(sample: Sample, offset: int = 1) -> Sample:
@@ -189,15 +258,36 @@ def shift_states(sample: Sample, offset: int = 1) -> Sample:
     )
 
 
-def prenorm_from_postnorm(post: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-    """A pre-norm state whose RMSNorm (weight ``norm_weight``) is ``post`` up to the epsilon.
+def shuffle_aux_states(samples: Sequence[Sample], seed: int) -> list[Sample]:
+    """The aux control: every position's aux states replaced by those of another position of
+    ``samples`` (one seeded cycle through all positions, so no row keeps its own); tokens, loss
+    masks and final states (the teacher) are the samples' own."""
+    lengths = [int(s.aux_hidden_states.shape[0]) for s in samples]
+    rows = torch.cat([s.aux_hidden_states for s in samples])
+    order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(seed))
+    moved = torch.empty_like(rows)
+    # Row order[i] takes row order[i - 1]: a single cycle, real states from elsewhere.
+    moved[order] = rows[order.roll(1)]
+    return [
+        Sample(s.id, s.input_ids, s.loss_mask, aux, s.last_hidden_states, s.pre_norm)
+        for s, aux in zip(samples, moved.split(lengths), strict=True)
+    ]
 
-    ``post = w * x / rms(x)``, so ``post / w = x / rms(x)`` has RMS 1 and RMSNorm maps it back
-    onto ``post``. A zero weight loses information and is refused.
-    """
-    if bool((norm_weight == 0).any()):
-        raise ValueError("the final norm has a zero weight: its input cannot be recovered")
-    return post / norm_weight.to(post.dtype)
+
+def training_vocab(
+    samples: Sequence[Sample], size: int, target_vocab: int
+) -> dict[str, torch.Tensor]:
+    """The draft vocabulary (``d2t``, ``t2d``) of the samples' supervised tokens, chosen as the
+    workflow's own (:func:`eagle3data.consumers.vocab.draft_vocab`)."""
+    from collections import Counter
+
+    from eagle3data.consumers.vocab import draft_vocab
+
+    counts: Counter[int] = Counter()
+    for s in samples:
+        counts.update(s.input_ids[s.loss_mask.bool()].tolist())
+    vocab = draft_vocab(counts, size, target_vocab)
+    return {"d2t": vocab.d2t, "t2d": vocab.t2d}
 
 
 def _speculators_row(sample: Sample, norm_weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -299,7 +389,7 @@ def summarize(totals: dict[str, float], k_steps: int) -> dict[str, float]:
     (out of ``k_steps``) and ``step{k}_chain`` (fraction of starts accepted through step k)."""
     starts = totals.get("starts", 0.0)
     if starts <= 0:
-        raise ValueError("no start position: no supervised token to propose")
+        raise DraftCheckError("no start position: no supervised token to propose")
     out = {
         "positions": starts,
         "step1_agreement": totals["accepted_step1"] / starts,
@@ -318,10 +408,19 @@ def _add(totals: dict[str, float], part: dict[str, float]) -> None:
 # --------------------------------------------------------------------------- model
 
 
-def _norm_weight(model_dir: Path) -> torch.Tensor:
-    from speculators.utils.loading import load_model_layers
-
-    return load_model_layers(["model.norm.weight"], str(model_dir))["model.norm.weight"].float()
+def verifier_norm_weight(model_dir: str | Path, *, trust_remote_code: bool = False) -> torch.Tensor:
+    """The target's final-norm weight, when its final norm is the plain RMSNorm that
+    speculators' teacher applies (``lm_head(verifier_norm(last))``); the one function the
+    speculators export uses too
+    (:func:`~eagle3data.hidden_states.final_state.plain_rms_norm_weight`). Else one line: for
+    any other norm (Gemma's ``1 + w``, LayerNorm) the teacher, and so every number, is wrong."""
+    try:
+        return plain_rms_norm_weight(model_dir, trust_remote_code=trust_remote_code)
+    except ModelConfigError as exc:
+        raise DraftCheckError(
+            f"{exc}; speculators' teacher applies that RMSNorm to the final state, so it is "
+            f"wrong for this target and the draft check would measure nothing; not run"
+        ) from None
 
 
 def build_draft(
@@ -333,14 +432,25 @@ def build_draft(
     ttt_steps: int,
     seed: int,
     fc_norm: bool = False,
+    trust_remote_code: bool = False,
 ) -> torch.nn.Module:
     """speculators' ``Eagle3DraftModel`` for the target in ``model_dir`` (its embeddings and
-    head, our draft vocabulary), ``num_layers`` decoder layers, sdpa attention, float32."""
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from transformers import AutoConfig
+    head, our draft vocabulary), ``num_layers`` decoder layers, sdpa attention, float32.
 
-    verifier = AutoConfig.from_pretrained(str(model_dir))
-    verifier = getattr(verifier, "text_config", verifier)
+    Its layers copy the text decoder's config (a wrapper's ``text_config``, read as every
+    stage reads it: :func:`eagle3data.target.text_decoder_config`)."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3.model_definitions import model_classes
+
+    from ..target import text_decoder_config
+
+    verifier = text_decoder_config(model_dir, trust_remote_code=trust_remote_code)
+    if verifier.model_type not in model_classes:
+        raise DraftCheckError(
+            f"{model_dir}: speculators' Eagle3DraftModel has no draft layers for the target's "
+            f"{verifier.model_type!r} (only {sorted(model_classes)}); the draft check cannot "
+            f"build its draft from this target"
+        )
     verifier.num_hidden_layers = num_layers
     torch.manual_seed(seed)
     model = Eagle3DraftModel.from_training_args(
@@ -354,6 +464,7 @@ def build_draft(
         norm_before_residual=True,
         fc_norm=fc_norm,
         ttt_steps=ttt_steps,
+        trust_remote_code=trust_remote_code,
     )
     return model.float()
 
@@ -437,19 +548,35 @@ def run_draft_check(
     layer_ids: Sequence[int],
     settings: DraftCheckSettings,
     variants: Iterable[str] = VARIANTS,
+    *,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """Train and measure each variant for each seed; the summary (see :func:`margins`)."""
+    """Train and measure each variant for each seed; the summary (see :func:`margins` and
+    :func:`criterion`).
+
+    ``vocab`` is the run's draft vocabulary: the check keeps its size and target vocabulary and
+    re-chooses its ids from the training side (:func:`training_vocab`), so that no token only
+    the held-out conversations produce is in it.
+    """
     variants = tuple(variants)
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
-    norm_weight = _norm_weight(model_dir)
-    train_idx, held_idx = split_conversations(
-        [s.id for s in samples], settings.heldout_fraction, settings.split_seed
-    )
-    train_rows = [_speculators_row(samples[i], norm_weight) for i in train_idx]
-    shifted_rows = [_speculators_row(shift_states(samples[i]), norm_weight) for i in train_idx]
+    norm_weight = verifier_norm_weight(model_dir, trust_remote_code=trust_remote_code)
+    keys = conversation_keys(samples)
+    train_idx, held_idx = split_conversations(keys, settings.heldout_fraction, settings.split_seed)
+    train_samples = [samples[i] for i in train_idx]
+    vocab = training_vocab(train_samples, int(vocab["d2t"].numel()), int(vocab["t2d"].numel()))
+    train_rows = [_speculators_row(s, norm_weight) for s in train_samples]
     held_rows = [_speculators_row(samples[i], norm_weight) for i in held_idx]
+
+    def control_rows(variant: str, seed: int) -> list[dict[str, torch.Tensor]]:
+        if variant == "aux_shuffled":
+            changed = shuffle_aux_states(train_samples, seed)
+        else:
+            changed = [shift_states(s) for s in train_samples]
+        return [_speculators_row(s, norm_weight) for s in changed]
+
     results: list[VariantResult] = []
     for seed in settings.seeds:
         # One init per seed, shared by the variants (and built once: loading the target's
@@ -462,18 +589,19 @@ def run_draft_check(
             ttt_steps=settings.ttt_steps,
             seed=seed,
             fc_norm=settings.fc_norm,
+            trust_remote_code=trust_remote_code,
         )
         for variant in variants:
             start = time.monotonic()
             model = copy.deepcopy(init)
             losses: list[float] = []
             if variant != "untrained":
-                rows = train_rows if variant == "trained" else shifted_rows
+                rows = train_rows if variant == "trained" else control_rows(variant, seed)
                 losses = train_draft(model, rows, settings, seed)
             metrics = evaluate_draft(model, held_rows, settings.ttt_steps)
             result = VariantResult(seed, variant, metrics, losses, time.monotonic() - start)
             log.info(
-                "seed %d %-9s step1 %.4f  acceptance %.4f / %d  (%.0f s)",
+                "seed %d %-12s step1 %.4f  acceptance %.4f / %d  (%.0f s)",
                 seed,
                 variant,
                 metrics["step1_agreement"],
@@ -484,13 +612,19 @@ def run_draft_check(
             results.append(result)
     summary: dict[str, Any] = {
         "settings": {**asdict(settings), "seeds": list(settings.seeds)},
-        "conversations": {"train": len(train_idx), "heldout": len(held_idx)},
+        "conversations": {
+            "train": len({keys[i] for i in train_idx}),
+            "heldout": len({keys[i] for i in held_idx}),
+        },
+        "samples": {"train": len(train_idx), "heldout": len(held_idx)},
         "heldout_ids": [samples[i].id for i in held_idx],
         "train_tokens": int(sum(int(r["input_ids"].shape[0]) for r in train_rows)),
+        "draft_vocab_size": int(vocab["d2t"].numel()),
         "runs": [asdict(r) for r in results],
     }
     summary["aggregate"] = aggregate(results)
     summary["margins"] = margins(results)
+    summary["criterion"] = criterion(summary["margins"])
     return summary
 
 
@@ -533,12 +667,152 @@ def margins(results: Sequence[VariantResult]) -> dict[str, dict[str, float]]:
     return out
 
 
+def criterion(found_margins: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Whether the trained draft beats each control of :func:`margins`: on every metric, its
+    worst seed beats the control's best seed by more than the larger seed-to-seed spread.
+
+    One seed measures no spread, so it cannot pass. Returns ``rule`` (the criterion in words),
+    ``controls`` (control: holds), ``passed`` (all hold) and ``reason`` (why not, or "")."""
+    rule = (
+        "for every control and metric, min over seeds of trained minus max over seeds of the "
+        "control > the larger seed-to-seed spread (max - min) of the two"
+    )
+    by_control: dict[str, bool] = {}
+    for key, m in found_margins.items():
+        control = key.split(".")[0]
+        by_control[control] = by_control.get(control, True) and m["margin"] > m["spread"]
+    # A spread of exactly 0 on both sides: one seed (or seeds that agree to the last digit).
+    no_spread = bool(found_margins) and all(
+        m["trained_spread"] == 0 and m["control_spread"] == 0 for m in found_margins.values()
+    )
+    failed = [c for c, holds in by_control.items() if not holds]
+    if not by_control:
+        reason = "no control was run"
+    elif no_spread:
+        reason = "no seed-to-seed spread measured: run at least 2 seeds"
+    elif failed:
+        reason = f"not beaten by more than the spread: {', '.join(failed)}"
+    else:
+        reason = ""
+    return {"rule": rule, "controls": by_control, "passed": not reason, "reason": reason}
+
+
 def write_summary(summary: dict[str, Any], path: Path) -> None:
     """The summary as JSON, written aside and renamed into place."""
     from eagle3data.atomic import write_json
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, summary)
+
+
+# The config key of the memory bound (``draft_check`` block) and its default.
+MEMORY_LIMIT_KEY = "memory_limit_gb"
+DEFAULT_MEMORY_LIMIT_GB = 16.0
+# Float32 copies of every state the check holds at its peak: the states as loaded, the
+# training and held-out rows (a pre-norm copy of the final state) and the controls' copies
+# of the training states (the aux shuffle concatenates and permutes them). Measured: peak
+# RSS of that preparation 3.5 times one float32 copy (50k tokens, hidden 576).
+RESIDENT_COPIES = 4
+_STATES_PER_TOKEN = 4  # three aux layers and the final state, hidden_size each
+_FLOAT32_BYTES = 4
+# What the check imports of speculators (its model, data alignment and loss).
+_SPECULATORS_MODULES = (
+    "speculators.models.eagle3",
+    "speculators.models.eagle3.data",
+    "speculators.models.eagle3.model_definitions",
+    "speculators.losses",
+)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What the validated shards' manifests say, read before any state is loaded."""
+
+    layer_ids: list[int]
+    samples: int
+    tokens: int
+    hidden_size: int
+
+    @property
+    def memory_bytes(self) -> int:
+        """The memory the check's states take (:data:`RESIDENT_COPIES` float32 copies)."""
+        return self.tokens * _STATES_PER_TOKEN * self.hidden_size * _FLOAT32_BYTES * RESIDENT_COPIES
+
+
+def read_shard_plan(shard_dirs: Sequence[str | Path]) -> ShardPlan:
+    """The aux layers, conversations, tokens and hidden size of the shard directories'
+    manifests; one line when they cannot be one check's data."""
+    import json
+
+    layer_ids: list[int] | None = None
+    hidden: int | None = None
+    samples = tokens = 0
+    for directory in shard_dirs:
+        path = Path(directory) / "manifest.json"
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        attrs = manifest.get("attrs") or {}
+        if not attrs:  # an empty dataset (e.g. token_budget 0) has no attrs and no states
+            continue
+        final_state_of(attrs, path)
+        ids = [int(k) for k in attrs["aux_hidden_states_indices"]]
+        if layer_ids is not None and ids != layer_ids:
+            raise DraftCheckError(f"{path}: aux layers {ids} differ from {layer_ids}")
+        if hidden is not None and int(attrs["hidden_size"]) != hidden:
+            raise DraftCheckError(
+                f"{path}: hidden size {attrs['hidden_size']} differs from {hidden}"
+            )
+        layer_ids, hidden = ids, int(attrs["hidden_size"])
+        samples += int(manifest["num_samples"])
+        tokens += int(manifest["num_tokens"])
+    if layer_ids is None or hidden is None or samples < 2:
+        raise DraftCheckError(
+            f"the draft check needs at least 2 conversations to hold some out; the shards of "
+            f"{len(shard_dirs)} dataset(s) hold {samples}"
+        )
+    return ShardPlan(layer_ids, samples, tokens, hidden)
+
+
+def memory_needed(shard_dirs: Sequence[str | Path]) -> int:
+    """Bytes of the states the check would hold for these shards (:class:`ShardPlan`)."""
+    return read_shard_plan(shard_dirs).memory_bytes
+
+
+def check_memory(plan: ShardPlan, limit_gb: float) -> None:
+    """Refuse, in one line, a check whose states would take more than ``limit_gb``: it holds
+    every state in memory (float32), so a run over the machine's memory would only be killed."""
+    if plan.memory_bytes > limit_gb * 1e9:
+        raise DraftCheckError(
+            f"the draft check would hold {plan.memory_bytes / 1e9:.1f} GB of states ("
+            f"{plan.tokens} tokens x {_STATES_PER_TOKEN} states x hidden {plan.hidden_size} x "
+            f"{_FLOAT32_BYTES} bytes x {RESIDENT_COPIES} copies), over "
+            f"draft_check.{MEMORY_LIMIT_KEY} ({limit_gb:g} GB); raise it on a machine with "
+            f"that memory, or check fewer or smaller datasets"
+        )
+
+
+def require_speculators() -> None:
+    """One line saying how to install speculators when it does not import."""
+    import importlib
+
+    for name in _SPECULATORS_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise DraftCheckError(
+                f"the draft check trains vLLM speculators' own Eagle3 draft, which does not "
+                f"import ({exc}); install it with `pip install --no-deps speculators==0.9.0 "
+                f"hs-connectors==0.9.0` (README, the test command)"
+            ) from None
+
+
+def _settings_of(section: dict[str, Any]) -> tuple[DraftCheckSettings, float]:
+    """The check's settings and memory bound from the config's ``draft_check`` block."""
+    try:
+        check = DraftCheckSettings.from_config(section)
+        limit = float(section.get(MEMORY_LIMIT_KEY, DEFAULT_MEMORY_LIMIT_GB))
+    except (TypeError, ValueError) as exc:
+        raise DraftCheckError(f"draft_check settings: {exc}") from None
+    return check, limit
 
 
 def draft_check(
@@ -549,30 +823,42 @@ def draft_check(
     out: str,
     settings: dict[str, Any],
     num_threads: int = 1,
+    trust_remote_code: bool = False,
 ) -> None:
-    """Stage function: the check over validated shard directories, ``out`` (summary JSON)."""
-    import json
+    """Stage function: the check over validated shard directories, ``out`` (summary JSON).
 
-    check = DraftCheckSettings.from_config(settings)
+    Every refusal (settings, speculators missing, shards that cannot be one check's data,
+    states over the memory bound, a final norm speculators' teacher gets wrong) comes in one
+    line before any state is loaded."""
+    check, memory_limit_gb = _settings_of(settings)
+    require_speculators()
+    plan = read_shard_plan(shard_dirs)
+    check_memory(plan, memory_limit_gb)
+    verifier_norm_weight(model_dir, trust_remote_code=trust_remote_code)
     torch.set_num_threads(max(1, num_threads))
-    layer_ids = None
-    for directory in shard_dirs:
-        attrs = json.loads((Path(directory) / "manifest.json").read_text(encoding="utf-8"))["attrs"]
-        final_state_of(attrs, directory)
-        ids = list(attrs["aux_hidden_states_indices"])
-        if layer_ids is not None and ids != layer_ids:
-            raise ValueError(f"{directory}: aux layers {ids} differ from {layer_ids}")
-        layer_ids = ids
-    assert layer_ids is not None
     vocab = torch.load(draft_vocab, map_location="cpu", weights_only=True)
     samples = load_samples(shard_dirs)
     log.info(
-        "%d conversations, %d tokens, aux layers %s",
+        "%d conversations, %d tokens, aux layers %s (%.2f GB of states, bound %g GB)",
         len(samples),
         sum(len(s.input_ids) for s in samples),
-        layer_ids,
+        plan.layer_ids,
+        plan.memory_bytes / 1e9,
+        memory_limit_gb,
     )
-    summary = run_draft_check(samples, Path(model_dir), vocab, layer_ids, check)
+    summary = run_draft_check(
+        samples,
+        Path(model_dir),
+        vocab,
+        plan.layer_ids,
+        check,
+        trust_remote_code=trust_remote_code,
+    )
     write_summary(summary, Path(out))
     for key, value in summary["margins"].items():
         log.info("trained vs %s: margin %.4f (spread %.4f)", key, value["margin"], value["spread"])
+    verdict = summary["criterion"]
+    if verdict["passed"]:
+        log.info("criterion holds: %s", verdict["rule"])
+    else:
+        log.warning("criterion does not hold (%s): %s", verdict["reason"], verdict["rule"])

@@ -63,10 +63,17 @@ import torch
 from ..atomic import atomic_directory
 from ..errors import ModelConfigError, SpeculatorsExportError
 from ..hidden_states import agreement
-from ..hidden_states.final_state import POST_NORM, PRE_NORM, final_state_of, load_final_norm
+from ..hidden_states.final_state import (
+    POST_NORM,
+    PRE_NORM,
+    final_state_of,
+    plain_rms_norm_weight,
+    prenorm_from_postnorm,
+    refuse_zero_weights,
+)
 from ..loader import HiddenStateDataset
 from ..model_config import hidden_size as config_hidden_size
-from ..model_config import read_model_config
+from ..model_config import read_model_config, rms_norm_eps
 
 __all__ = [
     "EXPORT_JSON",
@@ -91,8 +98,6 @@ AGREEMENT_TOLERANCE = 0.02
 FINAL_STATE_TOLERANCE = {"bfloat16": 0.01, "float32": 1e-4}
 # FP8 shards: the norm re-normalizes their rounding noise (3 mantissa bits), ~1% of the RMS.
 FP8_FINAL_STATE_TOLERANCE = 0.05
-# What the numerical norm check feeds the target's final norm.
-_NORM_PROBE_ROWS = 8
 # Draft architecture of the command line (speculators' default for eagle3): its
 # verifier_norm is this architecture's norm class.
 DRAFT_ARCH = "llama"
@@ -106,58 +111,30 @@ _SPECULATORS_NORM_KEY = "model.norm.weight"
 
 def teacher_norm_weight(model_path: str | Path, *, trust_remote_code: bool = False) -> torch.Tensor:
     """The target's final-norm weight (float32 [H]) when that norm is the plain RMSNorm
-    ``x * rsqrt(mean(x^2) + eps) * w`` that speculators' teacher applies; else a one-line
-    refusal (its teacher would be wrong for this target whatever is exported).
-
-    The norm module is the one the target's own architecture builds, carrying the
-    checkpoint's tensors (:func:`~eagle3data.hidden_states.final_state.load_final_norm`),
-    checked numerically against the formula."""
+    that speculators' teacher applies
+    (:func:`~eagle3data.hidden_states.final_state.plain_rms_norm_weight`); else a one-line
+    refusal (its teacher would be wrong for this target whatever is exported)."""
     try:
-        final = load_final_norm(model_path, trust_remote_code=trust_remote_code)
+        return plain_rms_norm_weight(model_path, trust_remote_code=trust_remote_code)
     except ModelConfigError as exc:
         raise SpeculatorsExportError(
-            f"{exc}; cannot tell what speculators' teacher needs"
+            f"{exc}; speculators' teacher applies that RMSNorm with {_SPECULATORS_NORM_KEY} "
+            f"to the final state, so it is wrong for this target whatever is exported; "
+            f"not exported"
         ) from None
-    norm, cls = final.module, final.class_name
-    raw = read_model_config(model_path)
-    eps = (raw.get("text_config") or raw).get("rms_norm_eps")
-    tensors = norm.state_dict()
-    weight = tensors.get("weight")
-    if weight is None or set(tensors) != {"weight"} or eps is None or not _is_plain_rms(norm, eps):
-        raise SpeculatorsExportError(
-            f"{model_path}: the final norm is {cls}, not an RMSNorm x*rsqrt(mean(x^2)+eps)*w; "
-            f"speculators' teacher applies that RMSNorm with {_SPECULATORS_NORM_KEY} to the "
-            f"final state, so it is wrong for this target whatever is exported; not exported"
-        )
-    return weight.detach().float()
 
 
 def final_norm_weight(model_path: str | Path, *, trust_remote_code: bool = False) -> torch.Tensor:
     """:func:`teacher_norm_weight`, refused also when a weight is zero: what the export
     divides post-norm shards by (the pre-norm state is lost in a zero-weight channel)."""
     weight = teacher_norm_weight(model_path, trust_remote_code=trust_remote_code)
-    zeros = int((weight == 0).sum())
-    if zeros:
+    try:
+        refuse_zero_weights(weight, model_path)
+    except ModelConfigError as exc:
         raise SpeculatorsExportError(
-            f"{model_path}: the final norm has {zeros} zero weight(s): the pre-norm state is "
-            f"lost in those channels of the shards' post-norm state and speculators' teacher "
-            f"cannot be restored (extract with hidden_states.final_state: pre_norm); not "
-            f"exported"
-        )
+            f"{exc}; speculators' teacher cannot be restored from the shards; not exported"
+        ) from None
     return weight
-
-
-def _is_plain_rms(norm: torch.nn.Module, eps: float) -> bool:
-    h = norm.weight.shape[-1]
-    gen = torch.Generator().manual_seed(0)
-    for scale in (1e-2, 1.0, 1e2):
-        x = torch.randn(_NORM_PROBE_ROWS, h, generator=gen) * scale + 0.5 * scale
-        with torch.no_grad():
-            got = norm(x).float()
-        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm.weight
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
-            return False
-    return True
 
 
 # ------------------------------------------------------------------ writing
@@ -303,7 +280,7 @@ def export_speculators(
             aux = item["aux_hidden_states"].reshape(length, 3, h)
             pre = item["last_hidden_states"]
             if weight is not None:
-                pre = pre.float() / weight  # RMSNorm: post / w ∝ pre
+                pre = prenorm_from_postnorm(pre, weight)  # RMSNorm: post / w ∝ pre
             states = torch.cat([aux.to(torch_dtype), pre.to(torch_dtype)[:, None]], dim=1)
             blob = save({"hidden_states": states.contiguous(), "token_ids": input_ids.clone()})
             _write_bytes(tmp / HIDDEN_STATES / f"hs_{i}.safetensors", blob)
@@ -486,12 +463,11 @@ def verify_speculators_export(
     torch_dtype = EXPORT_DTYPES[dtype]
     raw_config = read_model_config(model_path)
     h = config_hidden_size(raw_config)
-    text = raw_config.get("text_config") or raw_config
     weights = load_model_layers(
         ["embed_tokens.weight", "lm_head.weight", _SPECULATORS_NORM_KEY], model_path
     )
     head = weights.get("lm_head.weight", weights["embed_tokens.weight"])
-    norm = model_classes[DRAFT_ARCH].norm_class(h, eps=text["rms_norm_eps"])
+    norm = model_classes[DRAFT_ARCH].norm_class(h, eps=rms_norm_eps(raw_config))
     norm.load_state_dict({"weight": weights[_SPECULATORS_NORM_KEY].float()})
     data = ArrowDataset(
         max_len=1 << 30,

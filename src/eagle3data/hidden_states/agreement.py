@@ -107,7 +107,7 @@ class AgreementStats:
 # ----------------------------------------------------------------------------- the head
 
 
-def _weight_files(model_dir: Path) -> dict[str, Path]:
+def weight_files(model_dir: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> file, from the index when there is one."""
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = model_dir / index_name
@@ -134,7 +134,7 @@ def _tensor_names(path: Path) -> list[str]:
     return list(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
 
 
-def _read_tensor(path: Path, name: str) -> torch.Tensor:
+def read_tensor(path: Path, name: str) -> torch.Tensor:
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -157,9 +157,9 @@ def head_tensor_name(names: Iterable[str]) -> str:
 def load_head(model_path: str | Path) -> torch.Tensor:
     """The target's ``[V, H]`` output head, as stored (no other weight is read)."""
     model_dir = Path(model_path)
-    files = _weight_files(model_dir)
+    files = weight_files(model_dir)
     name = head_tensor_name(files)
-    head = _read_tensor(files[name], name)
+    head = read_tensor(files[name], name)
     if not head.is_floating_point() or head.dtype.itemsize < 2 or head.ndim != 2:
         raise ValidationError(
             f"{files[name]}: {name} is {head.dtype} {list(head.shape)}; the agreement check "
@@ -215,15 +215,16 @@ def template_tails(
     A turn cut at max_tokens ends where the target stopped, and the re-render closes it
     (Kimi: ``</think><|im_end|>``): supervised, but not produced. The first
     ``completion_tokens`` supervised tokens of such a turn's span are the target's; the
-    rest of the span is marked. Spans are matched to turns in order: a per-turn sample
-    ``{id}#{i}`` holds the turn at message index i, a whole conversation all of them.
+    rest of the span is marked. Spans are matched to turns in order: a sample ``{id}#{i}``
+    holds the turns from message index i on (tokenization.table), a whole conversation
+    all of them.
     """
     tails = np.zeros(len(loss_mask), dtype=bool)
     for k, sample_id in enumerate(sample_ids):
         response_id, _, turn = sample_id.partition("#")
         records = list(turns.get(response_id, ()))
         if turn:
-            records = [r for r in records if r.message_index == int(turn)]
+            records = [r for r in records if r.message_index >= int(turn)]
         start, end = int(offsets[k]), int(offsets[k + 1])
         mask = loss_mask[start:end].astype(np.int8)
         edges = np.diff(np.concatenate([[0], mask, [0]]))

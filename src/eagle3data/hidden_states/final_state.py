@@ -12,21 +12,28 @@ The ``final_state`` attribute says which (shards written before ``pre_norm`` exi
 the target's own architecture builds, carrying the checkpoint's weights, so applying it
 to a pre-norm state gives what the target computed, for any norm class (RMSNorm, Gemma's
 ``1 + w``, LayerNorm). The inverse does not exist in general (a plain RMSNorm loses each
-token's scale; see :mod:`eagle3data.consumers.speculators` for the one case where a
-trainer does not need it).
+token's scale). One case needs no inverse: a trainer whose teacher applies the plain RMSNorm
+``x * rsqrt(mean(x^2) + eps) * w`` itself (vLLM speculators) takes ``post / w``
+(:func:`prenorm_from_postnorm`), which that scale-invariant norm maps back onto ``post``.
+:func:`plain_rms_norm_weight` checks numerically that the target's norm is that formula and
+gives ``w``; the speculators export and the draft check both go through it.
 """
 
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelConfigError, ShardFormatError
-from ..model_config import is_wrapper, read_model_config
+from ..model_config import (
+    decoder_key_mapping,
+    decoder_tensor_name,
+    read_model_config,
+    rms_norm_eps,
+)
 
 if TYPE_CHECKING:  # torch is imported where a norm is built: the job takes its GPUs first
     import torch
@@ -39,6 +46,8 @@ DESCRIPTIONS = {
     "the final norm is applied to)",
     POST_NORM: "output of the model's final norm (the lm_head input)",
 }
+# Rows of random input the plain-RMSNorm check feeds the target's final norm, per scale.
+_NORM_PROBE_ROWS = 8
 
 
 def final_state_of(attrs: Mapping[str, Any], where: str | Path = "shard") -> str:
@@ -88,8 +97,8 @@ def load_final_norm(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..target import _WRAPPER_KEY_MAPPING, text_decoder_config
-    from .agreement import _read_tensor, _weight_files
+    from ..target import text_decoder_config
+    from .agreement import read_tensor, weight_files
 
     config = text_decoder_config(model_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
@@ -102,15 +111,13 @@ def load_final_norm(
         )
     prefix = next(name for name, module in model.named_modules() if module is norm)
     wanted = {f"{prefix}.{name}": name for name in norm.state_dict()}
-    files = _weight_files(Path(model_path))
-    mapping = _WRAPPER_KEY_MAPPING if is_wrapper(read_model_config(model_path)) else {}
+    files = weight_files(Path(model_path))
+    mapping = decoder_key_mapping(read_model_config(model_path))
     found: dict[str, torch.Tensor] = {}
     for stored in files:
-        name = stored
-        for pattern, replacement in mapping.items():
-            name = re.sub(pattern, replacement, name)
+        name = decoder_tensor_name(stored, mapping)
         if name in wanted:
-            found[wanted[name]] = _read_tensor(files[stored], stored)
+            found[wanted[name]] = read_tensor(files[stored], stored)
     if set(found) != set(wanted.values()):
         missing = sorted(k for k, v in wanted.items() if v not in found)
         raise ModelConfigError(
@@ -120,3 +127,63 @@ def load_final_norm(
     norm = norm.to_empty(device="cpu")
     norm.load_state_dict(found)
     return FinalNorm(norm.to(dtype).eval(), str(model_path), dtype)
+
+
+def plain_rms_norm_weight(
+    model_path: str | Path, *, trust_remote_code: bool = False
+) -> torch.Tensor:
+    """The weight ``w`` (float32 [H]) of the target's final norm when that norm is the plain
+    RMSNorm ``x * rsqrt(mean(x^2) + eps) * w`` (what speculators' teacher applies); else a
+    one-line :class:`ModelConfigError` naming the norm's class.
+
+    Checked numerically on the module the target's own architecture builds, carrying the
+    checkpoint's tensors (:func:`load_final_norm`): a class name cannot tell Gemma's
+    ``(1 + w)`` from ``w``, and a wrapper's text decoder is found by its layout."""
+    final = load_final_norm(model_path, trust_remote_code=trust_remote_code)
+    tensors = final.module.state_dict()
+    eps = rms_norm_eps(read_model_config(model_path))
+    if set(tensors) != {"weight"} or eps is None or not _is_plain_rms(final.module, eps):
+        raise ModelConfigError(
+            f"{model_path}: the final norm is {final.class_name}, not an RMSNorm "
+            f"x*rsqrt(mean(x^2)+eps)*w"
+        )
+    return tensors["weight"].detach().float()
+
+
+def refuse_zero_weights(weight: torch.Tensor, model_path: str | Path) -> None:
+    """One line when the final norm's ``weight`` has a zero: the pre-norm state is lost in
+    that channel of a post-norm state."""
+    zeros = int((weight == 0).sum())
+    if zeros:
+        raise ModelConfigError(
+            f"{model_path}: the final norm has {zeros} zero weight(s): the pre-norm state is "
+            f"lost in those channels of a post-norm state (extract with "
+            f"hidden_states.final_state: pre_norm)"
+        )
+
+
+def prenorm_from_postnorm(post: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """A pre-norm state whose plain RMSNorm (weight ``norm_weight``, from
+    :func:`plain_rms_norm_weight`) is ``post`` up to the epsilon, in float32.
+
+    ``post = w * x / rms(x)``, so ``post / w = x / rms(x)`` has RMS 1 and the norm maps it
+    back onto ``post``. A zero weight loses information and is refused."""
+    refuse_zero_weights(norm_weight, "the target")
+    return post.float() / norm_weight.float()
+
+
+def _is_plain_rms(norm: torch.nn.Module, eps: float) -> bool:
+    """Whether ``norm`` computes ``x * rsqrt(mean(x^2) + eps) * weight`` on random input of
+    very different scales (a mean, bias or ``1 + w`` shows at every scale)."""
+    import torch
+
+    h = norm.weight.shape[-1]
+    gen = torch.Generator().manual_seed(0)
+    for scale in (1e-2, 1.0, 1e2):
+        x = torch.randn(_NORM_PROBE_ROWS, h, generator=gen) * scale + 0.5 * scale
+        with torch.no_grad():
+            got = norm(x).float()
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm.weight
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
+            return False
+    return True

@@ -7,6 +7,7 @@ silently lost, none duplicated, whatever the server does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import socket
@@ -588,6 +589,11 @@ def _context_prompts() -> list[Prompt]:
     ]
 
 
+def context_job(tmp_path: Path) -> GenerationJob:
+    """:func:`job` over the prompts of :func:`_context_prompts`."""
+    return dataclasses.replace(job(tmp_path), prompts=_context_prompts())
+
+
 def _wanted_tokens(messages) -> int:
     """Answer lengths before any cap: 'question 2' asks past max_tokens (64)."""
     return 100 if "question 2" in messages[-1]["content"] else 60
@@ -597,14 +603,7 @@ def _wanted_tokens(messages) -> int:
 def test_an_answer_cut_by_the_context_is_over_context_not_data(
     tmp_path: Path, dialect: str
 ) -> None:
-    j = GenerationJob(
-        dataset="A1",
-        prompts=_context_prompts(),
-        journal=tmp_path / "journal.jsonl",
-        model="fake-model",
-        sampling=SAMPLING,
-        progress_interval_s=0,
-    )
+    j = context_job(tmp_path)
     with FakeOpenAIServer(dialect=dialect, max_model_len=80, tokens_fn=_wanted_tokens) as server:
         result = generate(j, server.url)
         completed = server.stats["completion_tokens"]
@@ -650,14 +649,7 @@ def test_the_status_reports_the_counters_of_the_generate_stats(tmp_path: Path) -
     from eagle3data.layout import RESPONSE_STATS, Results
     from eagle3data.monitor.snapshot import _generation_notes, notes_lines
 
-    j = GenerationJob(
-        dataset="A1",
-        prompts=_context_prompts(),
-        journal=tmp_path / "journal.jsonl",
-        model="fake-model",
-        sampling=SAMPLING,
-        progress_interval_s=0,
-    )
+    j = context_job(tmp_path)
     with FakeOpenAIServer(
         dialect="vllm", max_model_len=80, tokens_fn=_wanted_tokens, token_ids_fn=_nested_ids
     ) as server:

@@ -6,8 +6,8 @@ each position's aux states replaced by another position's, trained on states shi
 position, and untrained), for several seeds, and prints per-seed and mean +- std step-1
 agreement and acceptance length (chain of 3) on held-out conversations, the margins and
 whether the check's criterion holds (:mod:`eagle3data.consumers.draft_check`). Optionally
-repeats the trained variant on a fraction of the training conversations, to show how the
-margin depends on the data size.
+repeats the trained and ``aux_shuffled`` drafts on a fraction of the training conversations,
+to show how each, and the margin between them, depends on the data size.
 
     .venv/bin/python benchmarks/bench_draft_check.py RUN_DIR [--seeds 0 1 2] [--epochs 30]
         [--fractions 0.25 0.5 [--fractions-only]] [--threads 1] [--out summary.json]
@@ -94,9 +94,12 @@ def main() -> None:
             for variant in VARIANTS:
                 values = [r["metrics"][metric] for r in summary["runs"] if r["variant"] == variant]
                 print(_row(f"{variant}: {metric}", values))
-        print("\nmargins (min trained - max control, largest seed spread):")
+        print("\nmargins (mean trained - mean control, min trained - max control, seed spread):")
         for key, value in summary["margins"].items():
-            print(f"  {key}: {value['margin']:.3f} (spread {value['spread']:.3f})")
+            print(
+                f"  {key}: {value['margin']:.3f}, worst {value['worst_margin']:.3f}"
+                f" (spread {value['spread']:.3f})"
+            )
         verdict = summary["criterion"]
         print(f"\ncriterion ({verdict['rule']}): {verdict['controls']}")
         print("holds" if verdict["passed"] else f"does not hold: {verdict['reason']}")
@@ -110,7 +113,8 @@ def main() -> None:
         held_conversations = len({keys[i] for i in held_idx})
         summary["fractions"] = {}
         print(
-            "\n| training conversations | step-1 agreement per seed | acceptance length per seed |"
+            "\n| training conversations, draft | step-1 agreement per seed |"
+            " acceptance length per seed |"
         )
         print("|---|---|---|")
         for fraction in args.fractions:
@@ -132,20 +136,21 @@ def main() -> None:
                     lr=settings.lr,
                     heldout_fraction=(held_conversations - 0.5) / (len(kept) + held_conversations),
                 ),
-                variants=("trained",),
+                variants=("trained", "aux_shuffled"),
             )
             held_ids = set(part["heldout_ids"])
             same = held_ids == {samples[i].id for i in held_idx}
-            s1 = [r["metrics"]["step1_agreement"] for r in part["runs"]]
-            al = [r["metrics"]["acceptance_length"] for r in part["runs"]]
             summary["fractions"][str(fraction)] = part
-            print(
-                f"| {len(kept)} of {len(train_keys)}{'' if same else ' (other held-out set)'} | "
-                + " ".join(f"{v:.3f}" for v in s1)
-                + " | "
-                + " ".join(f"{v:.3f}" for v in al)
-                + " |"
-            )
+            for variant in ("trained", "aux_shuffled"):
+                runs = [r["metrics"] for r in part["runs"] if r["variant"] == variant]
+                print(
+                    f"| {len(kept)} of {len(train_keys)}"
+                    f"{'' if same else ' (other held-out set)'}, {variant} | "
+                    + " ".join(f"{m['step1_agreement']:.3f}" for m in runs)
+                    + " | "
+                    + " ".join(f"{m['acceptance_length']:.3f}" for m in runs)
+                    + " |"
+                )
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
 

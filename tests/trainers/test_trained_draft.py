@@ -102,7 +102,7 @@ def _target_samples(model_dir: Path) -> list[Sample]:
 
 def _passes(summary_margins: dict[str, dict[str, float]], control: str) -> bool:
     return all(
-        m["margin"] > max(MARGIN, m["control_spread"])
+        m["worst_margin"] > max(MARGIN, m["control_spread"])
         for key, m in summary_margins.items()
         if key.startswith(f"{control}.")
     )

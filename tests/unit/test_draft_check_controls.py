@@ -107,6 +107,29 @@ def test_the_criterion_fails_on_a_margin_smaller_than_the_seed_spread() -> None:
     assert one["passed"] is False and "seed" in one["reason"]
 
 
+def test_the_criterion_fails_when_one_control_seed_beats_a_trained_seed() -> None:
+    # The means are apart by more than either spread, yet seed 0 of the trained draft is below
+    # seed 2 of the control: not every trained seed beats every control seed.
+    results = _runs([0.20, 0.30, 0.30], aux_shuffled=[0.10, 0.10, 0.21], untrained=[0.0, 0.0, 0.0])
+    found = margins(results)["aux_shuffled.step1_agreement"]
+    assert found["margin"] > found["spread"] and found["worst_margin"] < 0
+    assert criterion(margins(results))["controls"]["aux_shuffled"] is False
+
+
+def test_the_criterion_holds_on_the_demos_figures() -> None:
+    # BENCHMARKS.md, "A draft trained on the demo's shards": step-1 agreement per seed (the
+    # acceptance lengths of the helper are 1.2 times these).
+    results = _runs(
+        [0.124, 0.157, 0.162],
+        aux_shuffled=[0.098, 0.075, 0.067],
+        shifted=[0.040, 0.018, 0.024],
+        untrained=[0.013, 0.002, 0.002],
+    )
+    found = margins(results)["aux_shuffled.step1_agreement"]
+    assert round(found["margin"], 3) == 0.068 and round(found["worst_margin"], 3) == 0.026
+    assert criterion(margins(results))["passed"] is True
+
+
 def test_the_aux_control_is_a_default_variant() -> None:
     assert "aux_shuffled" in dc.CONTROLS and "aux_shuffled" in dc.VARIANTS
 

@@ -17,8 +17,9 @@ the init seed and the held-out conversations:
   shows the check sees that misalignment, not that the aux states carry the signal;
 - ``untrained``: the init, never trained (the floor: the loop trains at all).
 
-The criterion (:func:`criterion`): for every control and metric, the worst trained seed beats
-the best control seed by more than the larger seed-to-seed spread (max - min) of the two.
+The criterion (:func:`criterion`): for every control and metric, the trained draft's mean over
+seeds beats the control's by more than the larger seed-to-seed spread (max - min) of the two,
+and every trained seed beats every control seed.
 
 Metrics (:func:`chain_metrics`), on conversations held out by a seeded split by conversation
 (:func:`conversation_keys`, :func:`split_conversations`): every sample of one conversation,
@@ -646,9 +647,10 @@ def aggregate(results: Sequence[VariantResult]) -> dict[str, dict[str, dict[str,
 
 
 def margins(results: Sequence[VariantResult]) -> dict[str, dict[str, float]]:
-    """For each control and metric: min over seeds of ``trained`` minus max over seeds of the
-    control (positive: every trained seed beats every control seed), and the seed-to-seed
-    spreads (max - min): ``trained_spread``, ``control_spread`` and the larger, ``spread``."""
+    """For each control and metric: ``margin``, the mean over seeds of ``trained`` minus the
+    control's; ``worst_margin``, min over seeds of ``trained`` minus max over seeds of the control
+    (positive: every trained seed beats every control seed); and the seed-to-seed spreads
+    (max - min): ``trained_spread``, ``control_spread`` and the larger, ``spread``."""
     out: dict[str, dict[str, float]] = {}
     trained = [r for r in results if r.variant == "trained"]
     for control in CONTROLS:
@@ -659,7 +661,8 @@ def margins(results: Sequence[VariantResult]) -> dict[str, dict[str, float]]:
             t = [r.metrics[metric] for r in trained]
             c = [r.metrics[metric] for r in runs]
             out[f"{control}.{metric}"] = {
-                "margin": min(t) - max(c),
+                "margin": statistics.fmean(t) - statistics.fmean(c),
+                "worst_margin": min(t) - max(c),
                 "spread": max(max(t) - min(t), max(c) - min(c)),
                 "trained_spread": max(t) - min(t),
                 "control_spread": max(c) - min(c),
@@ -668,19 +671,23 @@ def margins(results: Sequence[VariantResult]) -> dict[str, dict[str, float]]:
 
 
 def criterion(found_margins: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Whether the trained draft beats each control of :func:`margins`: on every metric, its
-    worst seed beats the control's best seed by more than the larger seed-to-seed spread.
+    """Whether the trained draft beats each control of :func:`margins`: on every metric, its mean
+    beats the control's by more than the larger seed-to-seed spread, and its worst seed beats the
+    control's best seed.
 
     One seed measures no spread, so it cannot pass. Returns ``rule`` (the criterion in words),
     ``controls`` (control: holds), ``passed`` (all hold) and ``reason`` (why not, or "")."""
     rule = (
-        "for every control and metric, min over seeds of trained minus max over seeds of the "
-        "control > the larger seed-to-seed spread (max - min) of the two"
+        "for every control and metric, mean over seeds of trained minus the control's > the "
+        "larger seed-to-seed spread (max - min) of the two, and min over seeds of trained > "
+        "max over seeds of the control"
     )
     by_control: dict[str, bool] = {}
     for key, m in found_margins.items():
         control = key.split(".")[0]
-        by_control[control] = by_control.get(control, True) and m["margin"] > m["spread"]
+        by_control[control] = by_control.get(control, True) and (
+            m["margin"] > m["spread"] and m["worst_margin"] > 0
+        )
     # A spread of exactly 0 on both sides: one seed (or seeds that agree to the last digit).
     no_spread = bool(found_margins) and all(
         m["trained_spread"] == 0 and m["control_spread"] == 0 for m in found_margins.values()
@@ -691,7 +698,9 @@ def criterion(found_margins: dict[str, dict[str, float]]) -> dict[str, Any]:
     elif no_spread:
         reason = "no seed-to-seed spread measured: run at least 2 seeds"
     elif failed:
-        reason = f"not beaten by more than the spread: {', '.join(failed)}"
+        reason = "not beaten by more than the seed spread, or not by every seed: " + ", ".join(
+            failed
+        )
     else:
         reason = ""
     return {"rule": rule, "controls": by_control, "passed": not reason, "reason": reason}
@@ -856,7 +865,13 @@ def draft_check(
     )
     write_summary(summary, Path(out))
     for key, value in summary["margins"].items():
-        log.info("trained vs %s: margin %.4f (spread %.4f)", key, value["margin"], value["spread"])
+        log.info(
+            "trained vs %s: mean margin %.4f, worst seed %.4f (spread %.4f)",
+            key,
+            value["margin"],
+            value["worst_margin"],
+            value["spread"],
+        )
     verdict = summary["criterion"]
     if verdict["passed"]:
         log.info("criterion holds: %s", verdict["rule"])

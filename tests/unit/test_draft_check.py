@@ -110,7 +110,7 @@ def test_prenorm_inversion_gives_back_the_post_norm_state() -> None:
         prenorm_from_postnorm(post, torch.zeros(h))
 
 
-def test_margins_are_worst_trained_minus_best_control() -> None:
+def test_margins_are_the_lead_of_the_means_and_of_the_worst_seed() -> None:
     def run(seed: int, variant: str, a: float) -> VariantResult:
         return VariantResult(seed, variant, {"step1_agreement": a, "acceptance_length": 2 * a})
 
@@ -123,10 +123,12 @@ def test_margins_are_worst_trained_minus_best_control() -> None:
         run(1, "untrained", 0.01),
     ]
     m = margins(results)
-    assert m["shifted.step1_agreement"]["margin"] == pytest.approx(0.25)
+    assert m["shifted.step1_agreement"]["margin"] == pytest.approx(0.325)  # 0.45 - 0.125
+    assert m["shifted.step1_agreement"]["worst_margin"] == pytest.approx(0.25)  # 0.4 - 0.15
     assert m["shifted.step1_agreement"]["spread"] == pytest.approx(0.1)
     assert m["shifted.step1_agreement"]["control_spread"] == pytest.approx(0.05)
-    assert m["untrained.acceptance_length"]["margin"] == pytest.approx(0.78)
+    assert m["untrained.acceptance_length"]["margin"] == pytest.approx(0.89)  # 0.9 - 0.01
+    assert m["untrained.acceptance_length"]["worst_margin"] == pytest.approx(0.78)
 
 
 def test_settings_refuse_nonsense_and_ignore_rule_keys() -> None:

@@ -1,29 +1,38 @@
 """Throughput, client CPU and budget waste of the HTTP backend.
 
 Runs the real generation driver and OpenAIEngine against tests/support/fake_openai.py
-started as a separate process that simulates an engine with fixed capacity:
-S concurrent slots generating R tokens/s each, requests beyond S queue (FIFO),
-a closed connection frees its slot (as SGLang aborts such a request).
+started as a separate process that simulates an SGLang engine with fixed capacity:
+S concurrent slots generating R tokens/s each, requests beyond S queue (FIFO), a request
+aborted by its rid leaves at once, a closed connection is noticed at SGLang's next check
+(every ``--disconnect-check-s``, SGLang's 4 s), and the server counts every token it
+decodes, cancelled work included (its ``/stats``).
 
     .venv/bin/python benchmarks/bench_http.py                 # prints a markdown table
     .venv/bin/python benchmarks/bench_http.py --concurrency 64 512 --slots 64 --tokens-per-s 200
-    .venv/bin/python benchmarks/bench_http.py --lengths lognormal maxshare --policy tail mean
+    .venv/bin/python benchmarks/bench_http.py --lengths lognormal maxshare --policy queue tail
 
 Completion lengths (``--lengths``, a hash of the prompt picks each one), with mean M:
 - normal: M +- M/4, uniform (max_tokens 100,000: never reached);
 - lognormal: log-normal, sigma 0.6, mean M, max_tokens 5 M;
 - maxshare: a thinking model: 20% hit max_tokens (3 M), the rest log-normal (sigma 0.6)
   around M/2; mean M.
-``--policy mean`` is the dispatch before tail-aware planning (running mean throughout),
-for a before/after comparison in the same run.
+Policies (``--policy``), all in the same run for a before/after comparison:
+- ``queue`` (today): the tail plan, following the server's queue through its gauge
+  (``/v1/loads``): near the end, requests still waiting that the prefix will likely not need
+  are aborted before they decode; cancelled requests are aborted by their rid;
+- ``tail``: the tail plan blind to the server's queue, cancelling by closing connections
+  (the dispatch before the server's queue was followed);
+- ``mean``: the dispatch before tail-aware planning (running mean throughout).
 
 Reported per length distribution, client concurrency and policy, all in the same run:
 - capacity ratio: completion tokens the server delivered per second of the run,
   divided by S x R; "steady" excludes the final drain (from the moment dispatch
   stopped to the end), which no client can fill once the budget is reached;
 - client CPU per request (process time of this client / requests completed);
-- waste: completion tokens received but outside the budget prefix, as a share of
-  the budget, plus requests cancelled in flight when the prefix was decided.
+- waste as the engine spent it: what the server decoded (its counter, cancelled work
+  included) minus the completion tokens kept, as a share of the budget; and the waste our
+  stats count (``waste_tokens``; the part of it estimated, not reported by the server);
+- throughput relative to the same policy at concurrency equal to the slots.
 """
 
 from __future__ import annotations
@@ -110,6 +119,7 @@ def serve(args: argparse.Namespace) -> None:
             tokens_fn=tokens_fn,
             slots=args.slots,
             tokens_per_s=args.tokens_per_s,
+            disconnect_check_s=args.disconnect_check_s,
         )
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -136,6 +146,8 @@ def start_server(args: argparse.Namespace, lengths: str) -> tuple[subprocess.Pop
             str(args.tokens_per_s),
             "--mean-tokens",
             str(args.mean_tokens),
+            "--disconnect-check-s",
+            str(args.disconnect_check_s),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -184,7 +196,7 @@ def run_once(url: str, concurrency: int, lengths: str, policy: str, args) -> dic
         stopped_at: list[float] = []
 
         def factory() -> OpenAIEngine:
-            return _DispatchClock(settings, job.sampling, stopped_at)
+            return _DispatchClock(settings, job.sampling, stopped_at, blind=policy != "queue")
 
         saved = driver._MIN_FIT
         if policy == "mean":  # the dispatch before tail-aware planning
@@ -195,8 +207,7 @@ def run_once(url: str, concurrency: int, lengths: str, policy: str, args) -> dic
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         finally:
             driver._MIN_FIT = saved
-    time.sleep(0.5)  # let the server count the cancelled requests
-    stats = server_call(url, "/stats")
+    stats = _settled_stats(url, args.disconnect_check_s + 2.0)
     capacity = args.slots * args.tokens_per_s
     drain_start = stopped_at[0] - t0 if stopped_at else wall
     delivered = stats["completion_tokens"]
@@ -211,18 +222,45 @@ def run_once(url: str, concurrency: int, lengths: str, policy: str, args) -> dic
         "requests": stats["completed"],
         "cpu_ms_per_request": 1000 * cpu / max(stats["completed"], 1),
         "output_tokens": result.stats["completion_tokens"],
+        "tokens_per_s": result.stats["completion_tokens"] / wall,
         "waste_pct": 100 * result.stats["waste_tokens"] / budget,
-        "cancelled": stats["cancelled"],
+        "estimated_pct": 100 * result.stats["abandoned_tokens_estimated"] / budget,
+        "engine_waste_pct": 100
+        * (stats["decoded_tokens"] - result.stats["completion_tokens"])
+        / budget,
+        "cancelled": stats["cancelled"] + stats["aborted"],
+        "cancelled_before_decode": stats["cancelled_before_decode"],
         "over_budget": result.stats["completion_tokens"] > budget,
     }
 
 
-class _DispatchClock(OpenAIEngine):
-    """Notes the last time the driver sent a new conversation (start of the drain)."""
+def _settled_stats(url: str, limit_s: float) -> dict:
+    """The server's counters once nothing is queued or decoding any more (a closed
+    connection is noticed only at the server's next check)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        stats = server_call(url, "/stats")
+        if (stats["in_service"] == 0 and stats["queued"] == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
 
-    def __init__(self, settings: HttpSettings, sampling: dict, stopped_at: list[float]) -> None:
+
+class _DispatchClock(OpenAIEngine):
+    """Notes the last time the driver sent a new conversation (start of the drain);
+    ``blind``: neither follows the server's queue nor aborts by rid (the engine before)."""
+
+    def __init__(
+        self, settings: HttpSettings, sampling: dict, stopped_at: list[float], *, blind: bool
+    ) -> None:
         super().__init__(settings, sampling=sampling, seed=0)
         self._stopped_at = stopped_at
+        self._blind = blind
+
+    async def start(self) -> None:
+        await super().start()
+        if self._blind:
+            for endpoint in self.pool.endpoints:
+                endpoint.abortable, endpoint.queue_gauge = False, None
 
     async def complete(self, messages):  # type: ignore[no-untyped-def]
         self._stopped_at[:] = [time.perf_counter()]
@@ -266,11 +304,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--lengths", nargs="+", choices=LENGTHS, default=list(LENGTHS))
-    parser.add_argument("--policy", nargs="+", choices=["tail", "mean"], default=["tail"])
+    parser.add_argument(
+        "--policy", nargs="+", choices=["queue", "tail", "mean"], default=["queue", "tail"]
+    )
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--tokens-per-s", type=float, default=200.0)
     parser.add_argument("--mean-tokens", type=int, default=200)
     parser.add_argument("--budget-factor", type=int, default=1000)
+    parser.add_argument("--disconnect-check-s", type=float, default=4.0)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -292,21 +333,29 @@ def main() -> None:
     print(
         f"simulated engine: {args.slots} slots x {args.tokens_per_s:g} tok/s = "
         f"{args.slots * args.tokens_per_s:g} tok/s; mean completion {args.mean_tokens} tokens; "
-        f"budget {args.budget_factor} x mean\n"
+        f"budget {args.budget_factor} x mean; closed connections noticed every "
+        f"{args.disconnect_check_s:g} s\n"
     )
+    base = {
+        (r["lengths"], r["policy"]): r["tokens_per_s"]
+        for r in rows
+        if r["concurrency"] == args.slots
+    }
     print(
-        "| lengths | policy | concurrency | wall s | capacity ratio "
-        "| minimal client, same requests | ours / minimal | client CPU ms/request "
-        "| waste % of budget | cancelled in flight | over budget |"
+        "| lengths | policy | concurrency | wall s | throughput / same policy at "
+        f"{args.slots} | ours / minimal client | engine waste % of budget | counted waste % "
+        "(estimated) | cancelled (before decoding) | client CPU ms/request | over budget |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        same = base.get((r["lengths"], r["policy"]))
+        relative = f"{r['tokens_per_s'] / same:.3f}" if same else "-"
         print(
             f"| {r['lengths']} | {r['policy']} | {r['concurrency']} | {r['wall_s']:.1f} | "
-            f"{r['ratio']:.3f} | {r['minimal_ratio']:.3f} | "
-            f"{r['ratio'] / r['minimal_ratio']:.3f} | "
-            f"{r['cpu_ms_per_request']:.2f} | {r['waste_pct']:.2f} | {r['cancelled']} | "
-            f"{'YES' if r['over_budget'] else 'no'} |"
+            f"{relative} | {r['ratio'] / r['minimal_ratio']:.3f} | "
+            f"{r['engine_waste_pct']:.2f} | {r['waste_pct']:.2f} ({r['estimated_pct']:.2f}) | "
+            f"{r['cancelled']} ({r['cancelled_before_decode']}) | "
+            f"{r['cpu_ms_per_request']:.2f} | {'YES' if r['over_budget'] else 'no'} |"
         )
 
 

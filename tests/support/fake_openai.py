@@ -100,11 +100,42 @@ Fault injection
 
 Engine capacity
     With ``slots=S`` at most S requests are "generating" at once; others wait in
-    a FIFO queue. A request holds its slot for
-    ``base_latency_s + completion_tokens / tokens_per_s`` seconds. If the client
-    closes the connection (timeout, cancellation) the handler is cancelled,
-    the slot is freed at once and the request counts as ``cancelled``, which is
-    what SGLang does with requests whose connection closes.
+    a FIFO queue. A request holds its slot for ``base_latency_s`` (its prefill, no token
+    decoded) and then decodes at ``tokens_per_s`` (all at once without it): it leaves after
+    ``base_latency_s + completion_tokens / tokens_per_s`` seconds. If the client closes the
+    connection (timeout, cancellation) the handler is cancelled and the request counts as
+    ``cancelled``; the engine notices it:
+
+    * at once (``disconnect_check_s=0``, the default): the request leaves the queue or
+      its slot there, as vLLM 0.32 does (``tests/vllm/test_vllm_abort.py``);
+    * with ``disconnect_check_s=T`` at its next check, as SGLang 0.5.23 does (its
+      ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT``, 4 s by default; ``tests/sglang/test_abort.py``):
+      at the first multiple of T since the request arrived it leaves; until then it keeps
+      its place in the queue (it may get a slot) or its slot, and decodes on.
+
+    What the engine decoded is counted (``stats``, ``GET /stats``): ``decoded_tokens``
+    (everything, counted when a request leaves its slot: a finished request its ``n``),
+    ``cancelled_decoded_tokens`` (of that, what requests whose client went away or that
+    were aborted had decoded when they left: decode time x ``tokens_per_s``, at most n;
+    all n when it finished before the engine noticed its client was gone),
+    ``cancelled_before_decode`` (such requests that left before their first token: in the
+    queue or in the prefill) and ``aborted`` (requests aborted by their rid).
+
+SGLang's abort by request id (``dialect="sglang"``)
+    A chat body may carry ``rid`` (SGLang's request id; the reply's ``id`` is then the
+    rid, as SGLang's). ``POST /abort_request {"rid": ...}`` (``{"abort_all": true}``: all)
+    answers 200 with an empty body, for an unknown rid too, and aborts that request at
+    once, queued, decoding or lingering after its client left. Its own reply is SGLang's
+    (``tests/data/sglang/queue/``): 200, ``finish_reason: "abort"``, ``matched_stop: null``,
+    what it had decoded (``usage.completion_tokens``, the words so far); aborted in the
+    queue, ``content: ""`` and ``usage`` all 0, ``prompt_tokens`` included.
+
+Queue gauges
+    ``GET /metrics`` (Prometheus text, both dialects, with the real names and labels of
+    ``tests/data/sglang/metrics.txt`` and ``tests/data/vllm/metrics.txt``): requests in a
+    slot, requests queued, tokens generated (vLLM's counter moves while a request decodes,
+    SGLang's when it leaves). ``GET /v1/loads`` (SGLang's, ``dialect="sglang"``): the same
+    gauges in SGLang's JSON (``tests/data/sglang/queue/loads.json``).
 
 Running it
     In-process (pytest)::
@@ -503,6 +534,14 @@ _STAT_KEYS = (
     "queued",  # requests waiting for a slot now
     "max_in_service",
     "max_queued",
+    # What the engine decoded (tokens_per_s), counted when a request leaves its slot:
+    # everything, finished or not; the part decoded for requests whose client went away
+    # or that were aborted (module doc); and how many of those left before their first
+    # token (in the queue or the prefill).
+    "decoded_tokens",
+    "cancelled_decoded_tokens",
+    "cancelled_before_decode",
+    "aborted",  # requests aborted by POST /abort_request (SGLang)
 )
 
 
@@ -539,6 +578,11 @@ class FakeOpenAI:
             of a ``return_token_ids`` answer (module doc); None: answers carry no ids.
         refuse_fields: request fields answered with OpenAI's 400 for an unknown argument
             (module doc).
+        disconnect_check_s: how late a closed connection is noticed (0: at once, as vLLM
+            does). SGLang checks a non-streaming request's connection only every
+            ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT`` (4 s): until the next check since the
+            request arrived it keeps its place, queued or decoding, and its slot, and
+            what it decodes meanwhile counts in ``cancelled_decoded_tokens``.
     """
 
     def __init__(
@@ -563,6 +607,7 @@ class FakeOpenAI:
         error_style: str | None = None,
         token_ids_fn: TokenIdsFn | None = None,
         refuse_fields: Collection[str] = (),
+        disconnect_check_s: float = 0.0,
     ) -> None:
         if slots is not None and slots < 1:
             raise ValueError("slots must be >= 1 or None")
@@ -590,8 +635,13 @@ class FakeOpenAI:
         self.error_style = error_style
         self.token_ids_fn = token_ids_fn
         self.refuse_fields = tuple(refuse_fields)
+        self.disconnect_check_s = disconnect_check_s
 
         self._lock = threading.Lock()
+        self._by_rid: dict[str, _Work] = {}  # for POST /abort_request
+        self._engine_tasks: set[asyncio.Task[tuple[int, bool]]] = set()
+        self._in_service: set[_Work] = set()  # requests holding a slot
+        self._works: set[_Work] = set()  # requests queued or in a slot (or lingering)
         self._requests: list[dict[str, Any]] = []
         self._attempts: dict[str, int] = {}
         self._completed: collections.Counter[str] = collections.Counter()
@@ -659,6 +709,10 @@ class FakeOpenAI:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
+        if self.dialect == "sglang":
+            app.router.add_post("/abort_request", self._abort_request)
+            app.router.add_get("/v1/loads", self._loads)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/stats", self._get_stats)
         app.router.add_post("/stats/reset", self._reset_stats)
         return app
@@ -718,7 +772,7 @@ class FakeOpenAI:
             "id": self.model,
             "object": "model",
             "created": 0,
-            "owned_by": "fake",
+            "owned_by": self.dialect,  # SGLang says "sglang", vLLM "vllm"
             "root": self.model,
             "parent": None,
             "max_model_len": self.max_model_len or UNBOUNDED_CONTEXT,
@@ -741,6 +795,114 @@ class FakeOpenAI:
                 }
             ]
         return web.json_response({"object": "list", "data": [model]})
+
+    async def _json_object(self, request: web.Request) -> dict[str, Any] | web.Response:
+        """The request's JSON object body, or the 400 a server answers for anything else."""
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return self._error(400, f"Invalid JSON body: {exc}", "Bad Request", 400)
+        if not isinstance(body, dict):
+            return self._error(400, "The body must be a JSON object", "Bad Request", 400)
+        return body
+
+    async def _abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's ``POST /abort_request {"rid"}``: the request leaves the queue, or stops
+        decoding, at once, and answers (``finish_reason: "abort"``, its usage so far).
+        An unknown rid is ignored; the answer is an empty 200 either way, as SGLang's."""
+        denied = self._unauthorized(request)
+        if denied is not None:
+            return denied
+        body = await self._json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        if body.get("abort_all") is True:
+            works = list(self._works)
+        else:
+            work = self._by_rid.get(str(body.get("rid") or ""))
+            works = [work] if work is not None else []
+        for work in works:
+            work.aborted = True
+            work.stop.set()
+        return web.Response(status=200)
+
+    async def _loads(self, request: web.Request) -> web.Response:
+        """SGLang's ``GET /v1/loads`` (``include=core``), in the shape SGLang 0.5.23 sent
+        (``tests/data/sglang/queue/loads.json``): one data-parallel rank whose
+        ``num_running_reqs`` and ``num_waiting_reqs`` are the fake's slots in use and its
+        queue; the other figures are 0."""
+        stats = self.stats
+        now = time.time()
+        load: dict[str, Any] = {
+            "timestamp": now,
+            "dp_rank": 0,
+            "num_running_reqs": stats["in_service"],
+            "num_waiting_reqs": stats["queued"],
+        }
+        for key in (
+            "num_waiting_uncached_tokens",
+            "num_used_tokens",
+            "num_total_tokens",
+            "num_active_tokens",
+            "num_prealloc_ready_tokens",
+            "max_total_num_tokens",
+        ):
+            load[key] = 0
+        load["max_running_requests"] = self.slots or 0
+        for key in ("token_usage", "gen_throughput", "cache_hit_rate", "utilization"):
+            load[key] = 0.0
+        load["total_prefill_uncached_tokens"] = load["total_prefill_busy_us"] = 0
+        load["decode_moments"] = [0.0] * 6
+        return web.json_response(
+            {
+                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(now)),
+                "version": "0.5.23",
+                "accelerator": None,
+                "num_accelerators": 1,
+                "loads": [load],
+            }
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """``GET /metrics`` in Prometheus text: the dialect's gauges of running and waiting
+        requests and its counter of generated tokens, with its names, help and labels
+        (``tests/data/sglang/metrics.txt``, ``tests/data/vllm/metrics.txt``). SGLang counts
+        a request's tokens when it leaves, finished or aborted (``decoded_tokens``); vLLM
+        at every step, so its counter includes what the requests in service decoded so far.
+        Unlike SGLang's (updated when its scheduler logs, every 40 decode steps), the
+        fake's gauges are always current. Real SGLang serves this only with
+        ``--enable-metrics``."""
+        stats = self.stats
+        running, waiting = float(stats["in_service"]), float(stats["queued"])
+        if self.dialect == "vllm":
+            labels = f'{{engine="0",model_name="{self.model}"}}'
+            series = [
+                ("vllm:num_requests_running", "gauge", "Number of requests in model "
+                 "execution batches.", labels, running),
+                ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be "
+                 "processed.", labels, waiting),
+                ("vllm:generation_tokens_total", "counter", "Number of generation tokens "
+                 "processed.", labels, float(self._live_decoded_tokens())),
+            ]  # fmt: skip
+        else:
+            gauge = (
+                f'{{engine_type="unified",model_name="{self.model}",moe_ep_rank="0",'
+                'pp_rank="0",tp_rank="0"}'
+            )
+            counter = f'{{engine_type="unified",is_streaming="false",model_name="{self.model}"}}'
+            series = [
+                ("sglang:num_running_reqs", "gauge", "The number of running requests.",
+                 gauge, running),
+                ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting "
+                 "queue.", gauge, waiting),
+                ("sglang:generation_tokens_total", "counter", "Number of generation tokens "
+                 "processed.", counter, float(stats["decoded_tokens"])),
+            ]  # fmt: skip
+        lines = []
+        for name, kind, help_text, labels, value in series:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines.append(f"{name}{labels} {value}")
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _get_stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats)
@@ -768,12 +930,9 @@ class FakeOpenAI:
         denied = self._unauthorized(request)
         if denied is not None:
             return denied
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            return self._error(400, f"Invalid JSON body: {exc}", "Bad Request", 400)
-        if not isinstance(body, dict):
-            return self._error(400, "The body must be a JSON object", "Bad Request", 400)
+        body = await self._json_object(request)
+        if isinstance(body, web.Response):
+            return body
         with self._lock:
             self._requests.append(body)
         messages = body.get("messages")
@@ -897,7 +1056,13 @@ class FakeOpenAI:
         if limit is not None and n > limit:
             n, finish_reason = limit, "length"
 
-        await self._hold_slot(n)
+        rid = body.get("rid") if self.dialect == "sglang" else None
+        rid = rid if isinstance(rid, str) else None
+        decoded, admitted = await self._hold_slot(n, rid)
+        if decoded < n:  # aborted by its rid: SGLang answers with what it had so far
+            n, finish_reason = decoded, "abort"
+            if not admitted:  # aborted in the queue: SGLang's usage is all 0
+                prompt_tokens = 0
 
         text = last_user_text(messages)
         n_reasoning = min(self.reasoning_tokens, n) if self.reasoning else 0
@@ -930,6 +1095,10 @@ class FakeOpenAI:
             reply = self._sglang_reply(model, answer, finish_reason, ids, n)
         if usage:
             reply["usage"] = self._usage(prompt_tokens, n, n_reasoning)
+        if rid is not None:
+            reply["id"] = rid  # SGLang's reply id is the request's rid
+        if finish_reason == "abort":
+            return web.json_response(reply)
         with self._lock:
             self._completed[conversation_key(messages)] += 1
             self._stats["completed"] += 1
@@ -1053,31 +1222,156 @@ class FakeOpenAI:
                 return function
         return None
 
-    async def _hold_slot(self, n_tokens: int) -> None:
-        """Wait for a slot (FIFO) and hold it for the simulated generation time."""
+    async def _hold_slot(self, n_tokens: int, rid: str | None = None) -> tuple[int, bool]:
+        """Queue for a slot (FIFO) and decode ``n_tokens`` in it; returns (tokens decoded,
+        whether it got a slot): fewer tokens when it was aborted by its ``rid``.
+
+        The engine's part runs in its own task (:meth:`_engine`), which outlives this
+        handler: a client that goes away cancels the handler, and the engine notices at
+        once (``disconnect_check_s`` 0) or at the request's next check, keeping its place
+        in the queue or its slot until then."""
+        work = _Work(
+            n_tokens,
+            time.monotonic(),
+            asyncio.Event(),
+            rid,
+            prefill_s=self.base_latency_s,
+            tokens_per_s=self.tokens_per_s,
+        )
+        self._works.add(work)
+        if rid is not None:
+            self._by_rid[rid] = work
+        task = asyncio.ensure_future(self._engine(work))
+        self._engine_tasks.add(task)
+        task.add_done_callback(self._engine_tasks.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            work.client_gone = True
+            check = self.disconnect_check_s
+            if check <= 0 or task.done():
+                work.stop.set()
+            else:
+                now = time.monotonic()
+                noticed = work.arrived + check * (int((now - work.arrived) / check) + 1)
+                asyncio.get_running_loop().call_later(noticed - now, work.stop.set)
+            raise
+
+    async def _engine(self, work: _Work) -> tuple[int, bool]:
+        """The engine's side of one request: queued, then prefill and decode in a slot,
+        until it is done or ``work.stop`` (aborted by its rid, or its client's absence
+        noticed). Counts what it decoded when it leaves."""
+        try:
+            if not await self._until_slot(work):  # stopped while queued
+                self._left(work, 0, cancelled=True, aborted=work.aborted)
+                return 0, False
+            decoded = await self._decode(work)
+            stopped = decoded < work.n_tokens
+            cancelled = stopped or work.client_gone
+            self._left(work, decoded, cancelled=cancelled, aborted=stopped and work.aborted)
+            return decoded, True
+        finally:
+            self._release(work)
+            self._works.discard(work)
+            if work.rid is not None and self._by_rid.get(work.rid) is work:
+                del self._by_rid[work.rid]
+
+    async def _until_slot(self, work: _Work) -> bool:
+        """Wait for a slot (FIFO; ``work.admitted`` once it is ours); False when stopped
+        first."""
+        semaphore = self._semaphore
+        if semaphore is None or not semaphore.locked():
+            if semaphore is not None:
+                await semaphore.acquire()
+            self._admit(work)
+            return True
+        self._gauge("queued", +1)
+        acquire = asyncio.ensure_future(semaphore.acquire())
+        stopped = asyncio.ensure_future(work.stop.wait())
+        try:
+            await asyncio.wait([acquire, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not acquire.done():
+                acquire.cancel()
+                await asyncio.gather(acquire, return_exceptions=True)
+            got = acquire.done() and not acquire.cancelled() and acquire.exception() is None
+            self._gauge("queued", -1)
+            if got:
+                self._admit(work)  # even when cancelled now: the caller releases it
+        if work.holding and work.stop.is_set():
+            self._release(work)
+            return False
+        return work.holding
+
+    def _admit(self, work: _Work) -> None:
+        work.holding, work.admitted = True, time.monotonic()
+        self._in_service.add(work)
+        self._gauge("in_service", +1)
+
+    async def _decode(self, work: _Work) -> int:
+        """Hold the slot for the prefill (``base_latency_s``) and ``n_tokens`` of decode;
+        stop early when ``work.stop`` is set. Returns the tokens decoded."""
         seconds = self.base_latency_s
         if self.tokens_per_s:
-            seconds += n_tokens / self.tokens_per_s
-        semaphore = self._semaphore
-        if semaphore is not None:
-            if semaphore.locked():
-                self._gauge("queued", +1)
-                try:
-                    await semaphore.acquire()
-                finally:
-                    self._gauge("queued", -1)
-            else:
-                await semaphore.acquire()
-        try:
-            self._gauge("in_service", +1)
-            try:
-                if seconds > 0:
-                    await asyncio.sleep(seconds)
-            finally:
-                self._gauge("in_service", -1)
-        finally:
-            if semaphore is not None:
-                semaphore.release()
+            seconds += work.n_tokens / self.tokens_per_s
+        if seconds > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(work.stop.wait(), seconds)
+        if not work.stop.is_set():
+            return work.n_tokens
+        return work.decoded_by(time.monotonic())
+
+    def _release(self, work: _Work) -> None:
+        if work.holding:
+            work.holding = False
+            self._in_service.discard(work)
+            self._gauge("in_service", -1)
+            if self._semaphore is not None:
+                self._semaphore.release()
+
+    def _left(self, work: _Work, decoded: int, *, cancelled: bool, aborted: bool) -> None:
+        """``work`` leaves its slot (or the queue) with ``decoded`` tokens decoded;
+        ``cancelled``: its client will not get them (gone, or aborted by its rid)."""
+        self._release(work)
+        with self._lock:
+            self._stats["decoded_tokens"] += decoded
+            if cancelled:
+                self._stats["cancelled_decoded_tokens"] += decoded
+                self._stats["cancelled_before_decode"] += decoded == 0
+            self._stats["aborted"] += aborted
+
+    def _live_decoded_tokens(self) -> int:
+        """``decoded_tokens`` plus what the requests in their slots have decoded so far."""
+        now = time.monotonic()
+        with self._lock:
+            done = self._stats["decoded_tokens"]
+        return done + sum(work.decoded_by(now) for work in list(self._in_service))
+
+
+@dataclass(eq=False)
+class _Work:
+    """One request in the engine: queued, then holding a slot from ``admitted``."""
+
+    n_tokens: int
+    arrived: float
+    stop: asyncio.Event  # leave now: aborted by its rid, or its client's absence noticed
+    rid: str | None = None
+    aborted: bool = False  # by POST /abort_request (SGLang)
+    client_gone: bool = False
+    holding: bool = False
+    admitted: float | None = None
+    prefill_s: float = 0.0
+    tokens_per_s: float | None = None
+
+    def decoded_by(self, now: float) -> int:
+        """Tokens decoded by ``now``: none before the slot and the prefill, then
+        ``tokens_per_s`` (all at once without it), at most ``n_tokens``."""
+        if self.admitted is None or now < self.admitted + self.prefill_s:
+            return 0
+        if not self.tokens_per_s:
+            return self.n_tokens
+        return min(self.n_tokens, int((now - self.admitted - self.prefill_s) * self.tokens_per_s))
 
 
 class FakeOpenAIServer(FakeOpenAI):
@@ -1180,7 +1474,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--slots", type=int, default=None, help="requests in service at once")
     p.add_argument("--tokens-per-s", type=float, default=None, help="per-slot speed")
-    p.add_argument("--base-latency-s", type=float, default=0.0)
+    p.add_argument("--base-latency-s", type=float, default=0.0, help="prefill per request")
+    p.add_argument(
+        "--disconnect-check-s",
+        type=float,
+        default=0.0,
+        help="a closed connection is noticed at the next multiple of this since the request "
+        "arrived (SGLang: 4); 0: at once (vLLM)",
+    )
     p.add_argument("--mean-tokens", type=int, default=40)
     p.add_argument("--token-spread", type=int, default=None, help="default mean/4")
     p.add_argument("--reasoning", action="store_true")
@@ -1226,6 +1527,7 @@ async def _serve(args: argparse.Namespace) -> None:
         slots=args.slots,
         tokens_per_s=args.tokens_per_s,
         base_latency_s=args.base_latency_s,
+        disconnect_check_s=args.disconnect_check_s,
         max_model_len=args.max_model_len,
         strict_model=args.strict_model,
         call_tools=args.call_tools,

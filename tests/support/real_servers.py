@@ -69,6 +69,25 @@ class ChatServer(Protocol):
     def log_text(self, offset: int = 0) -> str: ...
 
 
+def wait_for(predicate: Any, timeout: float = 60.0) -> None:
+    """Poll ``predicate`` every 50 ms until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def trimmed_metrics(text: str, names: tuple[str, ...]) -> str:
+    """The sample, ``# HELP`` and ``# TYPE`` lines of ``names``."""
+    kept = []
+    for line in text.splitlines():
+        words = line.split()
+        name = words[2] if line.startswith("# ") and len(words) > 2 else line.split("{")[0]
+        if name in names:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
 def blank_token_ids(tokenizer: Any) -> list[int]:
     """Ids of the tokens that are only whitespace (for ``logit_bias``: a random model
     under a JSON grammar writes blanks forever otherwise)."""

@@ -158,6 +158,14 @@ class Workflow:
         return json.loads(self.path(f"results/responses/{dataset}.stats.json").read_text())
 
     def journal_lines(self, dataset: str) -> list[str]:
+        """The generation journal's outcome records (ok or failed), in order."""
+        return [line for line in self._journal(dataset) if '"status":"abandoned"' not in line]
+
+    def abandoned_lines(self, dataset: str) -> list[str]:
+        """The journal's records of conversations cancelled in flight (not outcomes)."""
+        return [line for line in self._journal(dataset) if '"status":"abandoned"' in line]
+
+    def _journal(self, dataset: str) -> list[str]:
         files = list(self.path(f"results/.work/generate/{dataset}").glob("*.jsonl"))
         assert len(files) <= 1, files
         return files[0].read_text(encoding="utf-8").splitlines() if files else []

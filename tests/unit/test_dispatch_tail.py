@@ -274,10 +274,17 @@ class SimResult:
     wall: float  # simulated seconds
     generated: int  # tokens of finished requests
     finished: int  # requests finished (the minimal client sends as many)
+    cancelled_decode: float = 0.0  # what the requests cancelled while decoding had decoded
+    cancelled_waiting: int = 0  # requests cancelled in the server's queue (nothing decoded)
 
     @property
     def waste_share(self) -> float:
         return self.waste / self.budget
+
+    @property
+    def engine_waste_share(self) -> float:
+        """Everything the engine decoded that is not kept, cancelled work included."""
+        return (self.waste + self.cancelled_decode) / self.budget
 
     @property
     def throughput_ratio(self) -> float:
@@ -296,10 +303,20 @@ class SimResult:
 SLOTS, RATE = 64, 200.0
 
 
-def simulate(lengths: list[int], budget: int, *, max_tokens: int, concurrency: int) -> SimResult:
+def simulate(
+    lengths: list[int],
+    budget: int,
+    *,
+    max_tokens: int,
+    concurrency: int,
+    follow_queue: bool = False,
+) -> SimResult:
     """The streaming driver's loop (``_stream``) against a simulated engine: SLOTS requests
     generate RATE tokens/s each, others queue FIFO; what is still in flight when the
-    prefix is decided is cancelled (not journaled). Event-driven, so deterministic."""
+    prefix is decided is cancelled (its decode counted). With ``follow_queue`` the driver
+    sees the queue as a server's gauge shows it (at every event): a request's token clock
+    starts when it leaves the queue, and near the end waiting requests the plan would not
+    send now are cancelled (``driver.unneeded_waiting``). Event-driven, so deterministic."""
     prompts = [
         Prompt(f"q{i:05d}", "h", [{"role": "user", "content": str(i)}]) for i in range(len(lengths))
     ]
@@ -317,18 +334,25 @@ def simulate(lengths: list[int], budget: int, *, max_tokens: int, concurrency: i
     queue: list[int] = []
     events: list[tuple[float, int]] = []
     in_flight: set[int] = set()
-    generated = finished = 0
+    generated = finished = cancelled_waiting = 0
     while not run.sel.complete:
+        if follow_queue:
+            running = in_flight - set(queue)
+            for pos in driver.unneeded_waiting(run, running, set(queue)):
+                queue.remove(pos)
+                in_flight.discard(pos)
+                run.clock.dropped(pos)
+                cancelled_waiting += 1
         free = concurrency - len(in_flight)
         if free > 0:
             for pos in run.plan(free, set(in_flight)):
-                run.clock.dispatched(pos)
                 in_flight.add(pos)
                 if busy < SLOTS:
                     busy += 1
                     heapq.heappush(events, (now + lengths[pos] / RATE, pos))
                 else:
                     queue.append(pos)
+                run.clock.dispatched(pos)  # with follow_queue again when it leaves the queue
         assert in_flight, "nothing in flight for an undecided prefix"
         now, pos = heapq.heappop(events)
         done = [pos]
@@ -342,6 +366,8 @@ def simulate(lengths: list[int], budget: int, *, max_tokens: int, concurrency: i
                 nxt = queue.pop(0)
                 busy += 1
                 heapq.heappush(events, (now + lengths[nxt] / RATE, nxt))
+                if follow_queue:
+                    run.clock.dispatched(nxt)  # the gauge shows it decoding from now
             n = lengths[pos]
             run.clock.finished(pos, n)
             turn = {"finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": n}
@@ -349,6 +375,8 @@ def simulate(lengths: list[int], budget: int, *, max_tokens: int, concurrency: i
             generated += n
             finished += 1
         run.commit(records)
+    # Cancelled while decoding: started at end - n / RATE, decoded until now.
+    decoded = sum(max(0.0, now - (end - lengths[pos] / RATE)) * RATE for end, pos in events)
     return SimResult(
         tuple(lengths),
         budget,
@@ -357,20 +385,30 @@ def simulate(lengths: list[int], budget: int, *, max_tokens: int, concurrency: i
         now,
         generated,
         finished,
+        decoded,
+        cancelled_waiting,
     )
 
 
 @functools.cache
-def sim(kind: str, seed: int, *, tail: bool, concurrency: int = 64) -> SimResult:
-    """A run with budget 1000 x the mean length; ``tail=False`` is today's dispatch (the
-    running mean throughout)."""
+def sim(
+    kind: str, seed: int, *, tail: bool, concurrency: int = 64, follow_queue: bool = False
+) -> SimResult:
+    """A run with budget 1000 x the mean length; ``tail=False`` is the dispatch before the
+    tail plan (the running mean throughout)."""
     budget = int(1000 * MEAN[kind])
     lengths = lengths_for(kind, int(1.5 * budget / MEAN[kind]) + concurrency, seed)
     saved = driver._MIN_FIT
     if not tail:
         driver._MIN_FIT = 10**9
     try:
-        return simulate(lengths, budget, max_tokens=MAX_TOKENS[kind], concurrency=concurrency)
+        return simulate(
+            lengths,
+            budget,
+            max_tokens=MAX_TOKENS[kind],
+            concurrency=concurrency,
+            follow_queue=follow_queue,
+        )
     finally:
         driver._MIN_FIT = saved
 
@@ -434,6 +472,57 @@ def test_queueing_engine_wastes_less_in_the_same_time():
         assert new.selected == old.selected
         assert new.wall <= 1.02 * old.wall
         assert new.waste_share <= (0.01 if kind == "normal" else 0.6 * old.waste_share)
+
+
+def test_following_the_servers_queue_wastes_what_a_full_engine_without_one_does():
+    """Concurrency 8x the slots, the server's queue seen through its gauge: near the end the
+    requests still waiting that the plan would not send now are cancelled before they
+    decode anything. Waste as the engine spent it (cancelled decode included) falls to what
+    a client with no more requests than slots wastes, in the same simulated time; the
+    prefix is the same."""
+    for kind in ["lognormal", "maxshare"]:
+        blind = [sim(kind, s, tail=True, concurrency=512) for s in SEEDS]
+        following = [sim(kind, s, tail=True, concurrency=512, follow_queue=True) for s in SEEDS]
+        slots = [sim(kind, s, tail=True, concurrency=SLOTS) for s in SEEDS]
+        for b, f in zip(blind, following, strict=True):
+            assert f.selected == b.selected
+            assert f.wall <= 1.01 * b.wall
+            assert f.cancelled_waiting > 0, "waiting requests were cancelled"
+        mean = {
+            name: sum(r.engine_waste_share for r in runs) / len(runs)
+            for name, runs in (("blind", blind), ("following", following), ("slots", slots))
+        }
+        assert mean["blind"] > 0.02, mean
+        assert mean["following"] <= 1.05 * mean["slots"], mean
+
+
+def test_a_waiting_request_the_budget_no_longer_needs_is_cancelled():
+    """The plan's view at the end: of the conversations waiting in the server's queue, those
+    past where the prefix will likely end are given back; running ones are never touched.
+    Every answer is 100 tokens; the budget 2050 ends the prefix at 20 conversations."""
+    job = GenerationJob(
+        dataset="sim",
+        prompts=[
+            Prompt(f"q{i:05d}", "h", [{"role": "user", "content": str(i)}]) for i in range(40)
+        ],
+        journal=Path("/nonexistent/journal.jsonl"),
+        model="sim",
+        sampling={"max_tokens": 1000},
+        token_budget=2050,
+        progress_interval_s=1e9,
+    )
+    run = _Run(job, _NullJournal())  # type: ignore[arg-type]
+    turn = {"finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": 100}
+    run.commit([ok_record(run.order[p], "h", [], [turn]) for p in range(18)])  # type: ignore[list-item]
+    running, waiting = {18, 19}, set(range(20, 30))
+    for pos in sorted(running | waiting):
+        run.clock.dispatched(pos)
+    cancel = driver.unneeded_waiting(run, running, waiting)
+    assert cancel and cancel <= waiting
+    assert min(cancel) >= 20 and 29 in cancel  # 18 + 2 running = 2000 tokens: nearly done
+    # Far from the end nothing is given back: the queue keeps the server full.
+    early = _Run(job, _NullJournal())  # type: ignore[arg-type]
+    assert driver.unneeded_waiting(early, {0, 1}, set(range(2, 12))) == set()
 
 
 def test_dispatch_is_a_function_of_the_completions():

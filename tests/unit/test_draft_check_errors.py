@@ -110,7 +110,7 @@ def test_too_few_conversations_and_differing_layers_are_one_line(
 ) -> None:
     pytest.importorskip("speculators")
     one = _manifest_dir(tmp_path / "shards" / "one", samples=1, tokens=40)
-    with pytest.raises(DraftCheckError, match="at least 2 conversations") as caught:
+    with pytest.raises(DraftCheckError, match="at least 2 samples") as caught:
         _run(tmp_path, rms_dir, {}, shard_dirs=[one])
     _one_line(caught.value)
     other = _manifest_dir(tmp_path / "shards" / "other", samples=5, tokens=40)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -10,6 +11,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +30,7 @@ from support.fake_openai import (
     MalformedJSON,
     NoUsage,
     Status,
+    build_parser,
     hashed_faults,
 )
 from support.real_servers import json_shape, load_recorded
@@ -83,7 +86,7 @@ def test_deterministic_replies_and_usage() -> None:
                     "id": "fake-model",
                     "object": "model",
                     "created": 0,
-                    "owned_by": "fake",
+                    "owned_by": "sglang",  # the dialect's server, as SGLang says
                     "root": "fake-model",
                     "parent": None,
                     "max_model_len": UNBOUNDED_CONTEXT,
@@ -358,6 +361,342 @@ def test_client_disconnect_frees_the_slot_and_counts_cancelled() -> None:
         assert wait_until(lambda: server.stats["cancelled"] == 1)
         stats = server.stats
         assert (stats["completed"], stats["max_queued"], stats["in_service"]) == (1, 1, 0)
+
+
+async def _leave_after(url: str, body: dict[str, Any], seconds: float) -> None:
+    """Send ``body`` and close the connection after ``seconds`` (unless answered before)."""
+    timeout = aiohttp.ClientTimeout(total=seconds)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        with contextlib.suppress(TimeoutError):
+            async with session.post(url + "/chat/completions", json=body) as r:
+                await r.read()
+
+
+def _post_root(server: FakeOpenAIServer, path: str, body: Any) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        server.url.removesuffix("/v1") + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return response.status, response.read()
+
+
+def _metrics_of(server: FakeOpenAIServer) -> str:
+    with urllib.request.urlopen(server.url.removesuffix("/v1") + "/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
+def _sample(text: str, name: str) -> float:
+    [value] = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    return value
+
+
+def test_the_engine_counts_what_it_decoded_cancelled_work_included() -> None:
+    """1 slot at 100 tokens/s: a 100-token request is cut by its client after ~0.3 s (about
+    30 decoded), one queued behind it leaves before it starts (nothing decoded)."""
+    server = FakeOpenAIServer(slots=1, tokens_per_s=100, tokens_fn=lambda m: 100)
+
+    async def scenario(url: str) -> None:
+        await asyncio.gather(_leave_after(url, chat("a"), 0.3), _leave_after(url, chat("b"), 0.2))
+
+    with server:
+        asyncio.run(scenario(server.url))
+        assert wait_until(lambda: server.stats["cancelled"] == 2)
+        stats = server.stats
+    assert 15 <= stats["cancelled_decoded_tokens"] <= 45, stats
+    assert stats["decoded_tokens"] == stats["cancelled_decoded_tokens"]
+    assert stats["cancelled_before_decode"] == 1 and stats["completed"] == 0
+    assert (stats["in_service"], stats["queued"], stats["aborted"]) == (0, 0, 0)
+
+
+def test_finished_requests_count_their_tokens_and_the_prefill_decodes_none() -> None:
+    """``base_latency_s`` is the prefill: a client that leaves in it cost no token; the
+    finished requests count their n (without tokens_per_s too)."""
+    server = FakeOpenAIServer(slots=2, tokens_per_s=100, base_latency_s=0.4, tokens_fn=lambda m: 10)
+    with server:
+        assert post(server.url, chat("done"))[0] == 200
+        asyncio.run(_leave_after(server.url, chat("left"), 0.2))
+        assert wait_until(lambda: server.stats["in_service"] == 0)
+        stats = server.stats
+        server.reset()
+        assert server.stats["decoded_tokens"] == server.stats["cancelled_decoded_tokens"] == 0
+    assert (stats["decoded_tokens"], stats["completion_tokens"]) == (10, 10)
+    assert (stats["cancelled_decoded_tokens"], stats["cancelled_before_decode"]) == (0, 1)
+    with FakeOpenAIServer(tokens_fn=lambda m: 7) as instant:
+        post(instant.url, chat("x"))
+        assert instant.stats["decoded_tokens"] == 7
+
+
+def test_sglang_aborts_a_request_by_its_rid_queued_or_running() -> None:
+    """POST /abort_request {"rid"}: the running request answers at once with finish_reason
+    "abort" and what it decoded; the queued one with nothing decoded and usage all 0 (as
+    real SGLang, tests/data/sglang/queue/). /v1/loads shows one running and one waiting
+    before."""
+    server = FakeOpenAIServer(slots=1, tokens_per_s=100, tokens_fn=lambda m: 500)
+
+    async def scenario(url: str) -> tuple[Any, Any, Any, float]:
+        root = url.removesuffix("/v1")
+        async with aiohttp.ClientSession() as session:
+
+            async def ask(rid: str) -> Any:
+                body = chat(rid, rid=rid)
+                async with session.post(url + "/chat/completions", json=body) as r:
+                    return r.status, await r.json()
+
+            running = asyncio.ensure_future(ask("r1"))
+            await asyncio.sleep(0.1)
+            queued = asyncio.ensure_future(ask("r2"))
+            await asyncio.sleep(0.2)
+            async with session.get(root + "/v1/loads?include=core") as r:
+                loads = await r.json()
+            start = time.monotonic()
+            for rid in ("r2", "r1", "unknown"):
+                async with session.post(root + "/abort_request", json={"rid": rid}) as r:
+                    assert r.status == 200 and await r.read() == b""
+            answers = await asyncio.gather(running, queued)
+            return loads, answers[0], answers[1], time.monotonic() - start
+
+    with server:
+        loads, (s1, running), (s2, queued), elapsed = asyncio.run(scenario(server.url))
+        stats = server.stats
+    assert loads["loads"][0]["num_running_reqs"] == 1
+    assert loads["loads"][0]["num_waiting_reqs"] == 1
+    assert elapsed < 1.0  # not the 5 s the running request had left
+    assert s1 == s2 == 200
+    for reply, rid in ((running, "r1"), (queued, "r2")):
+        choice = reply["choices"][0]
+        assert (reply["id"], choice["finish_reason"], choice["matched_stop"]) == (
+            rid,
+            "abort",
+            None,
+        )
+    decoded = running["usage"]["completion_tokens"]
+    assert 20 <= decoded <= 60
+    assert len(running["choices"][0]["message"]["content"].split()) == decoded
+    assert running["usage"]["prompt_tokens"] == 2
+    assert queued["usage"] == {**running["usage"], "prompt_tokens": 0, "total_tokens": 0,
+                               "completion_tokens": 0}  # fmt: skip
+    assert queued["choices"][0]["message"]["content"] == ""
+    assert stats["aborted"] == 2 and stats["cancelled_before_decode"] == 1
+    assert stats["decoded_tokens"] == stats["cancelled_decoded_tokens"] == decoded
+    assert stats["completed"] == 0 and stats["in_service"] == stats["queued"] == 0
+
+
+def test_aborted_replies_have_the_shapes_real_sglang_sent() -> None:
+    """The fake's replies to an abort, running and queued, against tests/data/sglang/queue/
+    (recorded by tests/sglang/test_abort.py), token ids asked for."""
+    recorded = load_recorded(SGLANG_RECORDED / "queue")
+    server = FakeOpenAIServer(
+        slots=1, tokens_per_s=100, tokens_fn=lambda m: 500, token_ids_fn=trivial_ids
+    )
+
+    async def ask(url: str, rid: str) -> Any:
+        async with aiohttp.ClientSession() as session:
+            body = chat(rid, rid=rid, return_token_ids=True, max_tokens=900)
+            async with session.post(url + "/chat/completions", json=body) as r:
+                return await r.json()
+
+    async def scenario(url: str) -> tuple[Any, Any]:
+        running = asyncio.ensure_future(ask(url, "abort-running"))
+        await asyncio.sleep(0.1)
+        queued = asyncio.ensure_future(ask(url, "abort-queued"))
+        await asyncio.sleep(0.2)
+        for rid in ("abort-queued", "abort-running"):
+            await asyncio.to_thread(_post_root, server, "/abort_request", {"rid": rid})
+        return await running, await queued
+
+    with server:
+        running, queued = asyncio.run(scenario(server.url))
+        loads = get_json(server.url.removesuffix("/v1") + "/v1/loads?include=core")
+    for name, reply in (("chat_aborted_running", running), ("chat_aborted_queued", queued)):
+        real = recorded[name]["response"]
+        assert recorded[name]["status"] == 200
+        assert json_shape(reply) == json_shape(real), name
+        for key in ("finish_reason", "matched_stop"):
+            assert reply["choices"][0][key] == real["choices"][0][key], name
+        assert reply["id"] == real["id"] == recorded[name]["request"]["rid"]
+    assert queued["usage"] == recorded["chat_aborted_queued"]["response"]["usage"]
+    assert json_shape(loads) == json_shape(recorded["loads"]["response"])
+
+
+def test_abort_all_and_an_abort_of_a_request_whose_client_left() -> None:
+    """``{"abort_all": true}`` aborts everything; a request whose client left (SGLang
+    would notice it at its next check, 10 s here) is still aborted by its rid at once."""
+    server = FakeOpenAIServer(
+        slots=1, tokens_per_s=100, tokens_fn=lambda m: 1000, disconnect_check_s=10.0
+    )
+    with server:
+        asyncio.run(_leave_after(server.url, chat("x", rid="gone"), 0.2))
+        assert server.stats["in_service"] == 1, "still decoding after its client left"
+        _post_root(server, "/abort_request", {"rid": "gone"})
+        assert wait_until(lambda: server.stats["in_service"] == 0, timeout=1.0)
+        stats = server.stats
+
+        async def two(url: str) -> list[Any]:
+            return await _post_many(url, [chat("a"), chat("b")])
+
+        async def scenario(url: str) -> list[Any]:
+            replies = asyncio.ensure_future(two(url))
+            await asyncio.sleep(0.2)
+            await asyncio.to_thread(_post_root, server, "/abort_request", {"abort_all": True})
+            return await replies
+
+        # Without a rid nothing can be aborted but by abort_all.
+        replies = asyncio.run(scenario(server.url))
+    assert stats["aborted"] == 1 and 10 <= stats["cancelled_decoded_tokens"] <= 40
+    assert [r["choices"][0]["finish_reason"] for r in replies] == ["abort", "abort"]
+
+
+def test_sglang_notices_a_closed_connection_only_at_its_next_check() -> None:
+    """``disconnect_check_s``: the client leaves after 0.3 s, the server decodes on until
+    its check at 1 s (about 100 tokens at 100/s), then frees the slot."""
+    server = FakeOpenAIServer(
+        slots=1, tokens_per_s=100, tokens_fn=lambda m: 1000, disconnect_check_s=1.0
+    )
+    with server:
+        asyncio.run(_leave_after(server.url, chat("x"), 0.3))
+        time.sleep(0.3)
+        assert server.stats["in_service"] == 1, "still decoding after the client left"
+        assert wait_until(lambda: server.stats["in_service"] == 0, timeout=2.0)
+        stats = server.stats
+    assert 80 <= stats["cancelled_decoded_tokens"] <= 110, stats
+    assert stats["decoded_tokens"] == stats["cancelled_decoded_tokens"]
+    assert (stats["cancelled"], stats["cancelled_before_decode"], stats["aborted"]) == (1, 0, 0)
+
+
+def test_a_queued_request_whose_client_left_keeps_its_place_until_the_check() -> None:
+    """1 slot, check every 1 s: B's client leaves at 0.2 s while B waits behind A (0.4 s
+    of work); B keeps its place ahead of C (queued at 0.1 s), gets the slot at 0.4 s and
+    decodes until its check at ~1.05 s; only then C starts. A request that would finish
+    before its check finishes (all its tokens wasted); one still queued at its check leaves
+    with none."""
+
+    def tokens(messages: list[dict[str, Any]]) -> int:
+        return {"a": 40, "b": 1000, "c": 10, "d": 5}[messages[-1]["content"]]
+
+    server = FakeOpenAIServer(slots=1, tokens_per_s=100, tokens_fn=tokens, disconnect_check_s=1.0)
+
+    async def scenario(url: str) -> list[Any]:
+        a = asyncio.ensure_future(_post_many(url, [chat("a")]))
+        await asyncio.sleep(0.05)
+        b = asyncio.ensure_future(_leave_after(url, chat("b"), 0.15))
+        await asyncio.sleep(0.05)
+        c = asyncio.ensure_future(_post_many(url, [chat("c")]))
+        await b
+        return [await a, await c]
+
+    with server:
+        started = time.monotonic()
+        (a,), (c,) = asyncio.run(scenario(server.url))
+        c_done = time.monotonic() - started
+        stats = server.stats
+    assert a["usage"]["completion_tokens"] == 40 and c["usage"]["completion_tokens"] == 10
+    assert 1.0 <= c_done <= 1.6, (
+        c_done,
+        str(stats),
+    )  # after B's check at ~1.05 s, not after A at 0.4 s
+    b = stats["cancelled_decoded_tokens"]
+    assert 50 <= b <= 75, stats  # B from 0.4 s to its check
+    assert stats["decoded_tokens"] == 40 + b + 10
+    assert stats["cancelled_before_decode"] == 0 and stats["completed"] == 2
+
+    # A short request whose client left decodes to its end; one still queued at its
+    # check leaves the queue without a token.
+    server = FakeOpenAIServer(slots=1, tokens_per_s=10, tokens_fn=tokens, disconnect_check_s=1.0)
+
+    async def short(url: str) -> None:
+        hold = asyncio.ensure_future(_post_many(url, [chat("c")]))  # 1 s of work
+        await asyncio.sleep(0.05)
+        await _leave_after(url, chat("b"), 0.1)  # queued, its check at ~1.05 s
+        await hold
+
+    with server:
+        asyncio.run(_leave_after(server.url, chat("d"), 0.1))  # 5 tokens, 0.5 s
+        assert wait_until(lambda: server.stats["in_service"] == 0)
+        assert server.stats["cancelled_decoded_tokens"] == 5
+        server.reset()
+        asyncio.run(short(server.url))
+        assert wait_until(lambda: server.stats["queued"] == server.stats["in_service"] == 0)
+        stats = server.stats
+    assert stats["decoded_tokens"] == 10 and stats["cancelled_before_decode"] == 1
+
+
+def _series(text: str) -> dict[str, tuple[str, str, frozenset[str]]]:
+    """name -> (help, type, label names) of a Prometheus text answer."""
+    helps, types, labels = {}, {}, {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, _, rest = line[7:].partition(" ")
+            helps[name] = rest
+        elif line.startswith("# TYPE "):
+            name, _, rest = line[7:].partition(" ")
+            types[name] = rest
+        elif line and not line.startswith("#"):
+            name, _, rest = line.partition("{")
+            labels[name] = frozenset(p.split("=")[0] for p in rest.split("}")[0].split(","))
+    return {name: (helps[name], types[name], labels[name]) for name in labels}
+
+
+GAUGES = {
+    "sglang": (
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:generation_tokens_total",
+    ),
+    "vllm": (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:generation_tokens_total",
+    ),
+}
+
+
+@pytest.mark.parametrize("dialect", ["sglang", "vllm"])
+def test_metrics_have_the_real_names_help_and_labels(dialect: str) -> None:
+    """/metrics against tests/data/<dialect>/metrics.txt (recorded by
+    tests/sglang/test_abort.py and tests/vllm/test_vllm_abort.py): the running and waiting
+    gauges and the generated-token counter."""
+    recorded = _series((RECORDED[dialect] / "metrics.txt").read_text(encoding="utf-8"))
+    with FakeOpenAIServer(dialect=dialect) as server:
+        fake = _series(_metrics_of(server))
+    assert set(fake) == set(GAUGES[dialect])
+    for name in GAUGES[dialect]:
+        assert fake[name] == recorded[name], name
+
+
+@pytest.mark.parametrize("dialect", ["sglang", "vllm"])
+def test_metrics_follow_the_queue_and_the_tokens(dialect: str) -> None:
+    """1 slot at 100 tokens/s, 1000-token requests: one running, one waiting. vLLM's token
+    counter moves while a request decodes, SGLang's when it leaves (as the real ones)."""
+    running, waiting, generated = GAUGES[dialect]
+    server = FakeOpenAIServer(dialect=dialect, slots=1, tokens_per_s=100, tokens_fn=lambda m: 1000)
+
+    async def scenario(url: str) -> None:
+        await asyncio.gather(_leave_after(url, chat("a"), 0.6), _leave_after(url, chat("b"), 0.6))
+
+    with server:
+        thread = threading.Thread(target=asyncio.run, args=(scenario(server.url),))
+        thread.start()
+        time.sleep(0.4)
+        busy = _metrics_of(server)
+        thread.join()
+        assert wait_until(lambda: server.stats["in_service"] == server.stats["queued"] == 0)
+        done = _metrics_of(server)
+        decoded = server.stats["decoded_tokens"]
+    assert (_sample(busy, running), _sample(busy, waiting)) == (1.0, 1.0)
+    if dialect == "vllm":
+        assert 20 <= _sample(busy, generated) <= 50
+    else:
+        assert _sample(busy, generated) == 0.0
+    assert (_sample(done, running), _sample(done, waiting)) == (0.0, 0.0)
+    assert _sample(done, generated) == decoded and 40 <= decoded <= 80
+
+
+def test_the_command_line_takes_the_disconnect_check() -> None:
+    args = build_parser().parse_args(["--disconnect-check-s", "4"])
+    assert args.disconnect_check_s == 4.0
+    assert build_parser().parse_args([]).disconnect_check_s == 0.0
 
 
 def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:

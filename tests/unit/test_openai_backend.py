@@ -99,6 +99,12 @@ def generate(j: GenerationJob, *urls: str, limits: ErrorLimits | None = None, **
     return run_generation(j, lambda: engine_for(*urls, **kw), streaming=True, error_limits=limits)
 
 
+def outcomes(j: GenerationJob) -> list[dict]:
+    """The journal's outcome records (ok or failed): abandoned ones only note waste."""
+    records = [json.loads(line) for line in j.journal.read_text().splitlines()]
+    return [r for r in records if r["status"] != "abandoned"]
+
+
 def accounted(result, j: GenerationJob) -> None:
     """Every prompt is in exactly one place; the journal holds no id twice."""
     ids = [p.id for p in j.prompts]
@@ -106,7 +112,7 @@ def accounted(result, j: GenerationJob) -> None:
     failed = [f["id"] for f in result.failures]
     beyond = ids[result.stats["prompts"] - result.stats["beyond_limits"] :]
     assert sorted(out + failed + beyond) == sorted(ids)
-    journal = [json.loads(line)["id"] for line in j.journal.read_text().splitlines()]
+    journal = [r["id"] for r in outcomes(j)]
     assert len(journal) == len(set(journal))
 
 
@@ -200,7 +206,67 @@ def test_budget_is_never_exceeded_and_in_flight_work_is_cancelled(tmp_path: Path
     assert used <= 1200 and result.stats["stop_reason"] == "token_budget"
     assert used + 64 > 1200, "the prefix is the longest that fits"
     assert stats["received"] < 200, "dispatch stopped near the budget"
-    assert result.stats["waste_tokens"] < 0.5 * 1200
+    # SGLang (the fake's dialect) aborts each cancelled request by its rid and says what it
+    # had decoded: what we count as generated is exactly what the engine decoded.
+    assert stats["aborted"] == result.stats["abandoned_requests"] > 0
+    assert result.stats["generated_tokens_total"] == stats["decoded_tokens"]
+    assert result.stats["waste_tokens"] == stats["decoded_tokens"] - used
+    assert result.stats["abandoned_tokens_estimated"] == 0
+    accounted(result, j)
+
+
+def test_a_request_waiting_in_the_servers_queue_is_cancelled_before_it_decodes(
+    tmp_path: Path,
+) -> None:
+    """Twelve single-turn conversations in flight on 2 slots: near the end of the budget the
+    requests still waiting in the server's queue (its /v1/loads gauge) that the prefix will
+    not need are aborted before they decode a token; what the cancelled ones had decoded is
+    in the waste."""
+    # 0.1 s per answer: a run of about 1.3 s, many polls of the server's queue (every 0.1 s).
+    with FakeOpenAIServer(slots=2, tokens_per_s=400, mean_tokens=40, token_spread=0) as server:
+        single = [
+            make_prompt(f"s{i:03d}", [{"role": "user", "content": f"q {i}"}]) for i in range(80)
+        ]
+        j = dataclasses.replace(job(tmp_path, token_budget=1000), prompts=single)
+        result = generate(j, server.url, concurrency=12)
+        time.sleep(0.2)
+        stats = server.stats
+    assert result.stats["stop_reason"] == "token_budget"
+    assert stats["cancelled_before_decode"] > 0, stats
+    abandoned = [
+        json.loads(line) for line in j.journal.read_text().splitlines() if "abandoned" in line
+    ]
+    nothing = [r for r in abandoned if r["completion_tokens_spent"] == 0]
+    assert len(nothing) >= stats["cancelled_before_decode"] > 0
+    assert all(r["spent_source"] == "server" for r in abandoned)
+    assert result.stats["generated_tokens_total"] == stats["decoded_tokens"]
+    assert result.stats["abandoned_requests"] == len(abandoned) == stats["aborted"]
+    # An abandoned record decides nothing: a prompt given back while waiting may be sent
+    # again later, and its outcome then comes after it in the journal.
+    lines = [json.loads(line) for line in j.journal.read_text().splitlines()]
+    first_outcome = {}
+    for n, r in reversed(list(enumerate(lines))):
+        if r["status"] != "abandoned":
+            first_outcome[r["id"]] = n
+    for n, r in enumerate(lines):
+        if r["status"] == "abandoned" and r["id"] in first_outcome:
+            assert first_outcome[r["id"]] > n
+    accounted(result, j)
+
+
+def test_a_server_without_aborts_gets_its_cancelled_decode_estimated(tmp_path: Path) -> None:
+    """vLLM frees a request when its connection closes and says nothing about it: what a
+    cancelled request had decoded is estimated, and marked so."""
+    with FakeOpenAIServer(slots=16, tokens_per_s=400, mean_tokens=40, dialect="vllm") as server:
+        j = job(tmp_path, n=200, token_budget=1200)
+        result = generate(j, server.url, concurrency=32)
+        time.sleep(0.2)
+        stats = server.stats
+    assert stats["aborted"] == 0 and stats["cancelled"] == result.stats["abandoned_requests"] > 0
+    assert result.stats["abandoned_tokens_estimated"] > 0
+    # The estimate stands in for what the server decoded (it counted it; we could not).
+    counted = result.stats["generated_tokens_total"] - result.stats["abandoned_tokens_estimated"]
+    assert counted <= stats["decoded_tokens"]
     accounted(result, j)
 
 
@@ -221,7 +287,7 @@ def test_resume_counts_the_journal_and_asks_nothing_twice(tmp_path: Path) -> Non
         pytest.raises(GenerationAborted, match="consecutive failures"),
     ):
         generate(j, server.url, max_retries=0, limits=ErrorLimits(max_consecutive_failures=5))
-    kept = [json.loads(line)["id"] for line in j.journal.read_text().splitlines()]
+    kept = [r["id"] for r in outcomes(j)]
     assert kept, "finished conversations were journaled"
     with FakeOpenAIServer() as server:
         result = generate(j, server.url)
@@ -233,7 +299,8 @@ def test_resume_counts_the_journal_and_asks_nothing_twice(tmp_path: Path) -> Non
 
 
 def test_error_rate_limit_stops_the_run(tmp_path: Path) -> None:
-    plan = hashed_faults(0.8, Status.context_length_exceeded(), attempts=100)
+    # A permanent 400 that is not about the context (those say nothing about the server).
+    plan = hashed_faults(0.8, Status(400, "Invalid request: stop must be a list"), attempts=100)
     with (
         FakeOpenAIServer(faults=plan) as server,
         pytest.raises(GenerationAborted, match="attempts failed"),
@@ -557,6 +624,39 @@ def test_a_server_that_refuses_return_token_ids_is_asked_in_text(tmp_path: Path,
     refused = sum(1 for b in bodies if "return_token_ids" in b)
     assert 1 <= refused <= 8, "at most the first requests in flight carried the field"
     assert len(bodies) - refused == sum(len(r["turns"]) for r in result.rows)
+
+
+def test_an_unrelated_400_that_echoes_the_request_keeps_the_ids(tmp_path: Path, caplog) -> None:
+    """vLLM's 400 for a validation error echoes the whole request, return_token_ids too:
+    naming the field is not refusing it. The prompt fails; the endpoint keeps the ids."""
+    caplog.set_level(logging.WARNING)
+    echo = Status(
+        400,
+        "[{'type': 'value_error', 'loc': ('body',), 'msg': 'Value error, bad stop list', "
+        "'input': {'model': 'fake-model', 'return_token_ids': True}}]",
+    )
+    with FakeOpenAIServer(faults=FaultPlan({"question 1": [echo]})) as server:
+        j = job(tmp_path, n=8)
+        result = generate(j, server.url)
+        asked_for_ids = sum(1 for b in server.requests if "return_token_ids" in b)
+    assert [f["id"] for f in result.failures] == ["p001"]
+    assert not [w for w in _ids_fallback_warnings(caplog) if "asking it in text" in w]
+    assert result.stats["token_ids_fallbacks"] == 0
+    assert asked_for_ids == len(server.requests)
+
+
+def test_prompts_over_the_context_do_not_count_as_a_broken_server(tmp_path: Path) -> None:
+    """Every prompt cut by vLLM's context clamp fails as over-context; that says nothing
+    about the server, so the error limits (3 in a row) do not stop the run."""
+    prompts = [
+        make_prompt(f"long{i}", [{"role": "user", "content": f"{LONG_QUESTION} {i}"}])
+        for i in range(8)
+    ]
+    j = dataclasses.replace(job(tmp_path), prompts=prompts)
+    with FakeOpenAIServer(dialect="vllm", max_model_len=80, tokens_fn=_wanted_tokens) as server:
+        result = generate(j, server.url, limits=ErrorLimits(max_consecutive_failures=3))
+    assert result.stats["over_context"] == 8 and not result.rows
+    accounted(result, j)
 
 
 def test_ids_in_an_unknown_shape_fall_back_to_text_without_retries(tmp_path: Path, caplog) -> None:

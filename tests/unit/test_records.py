@@ -10,8 +10,10 @@ import pytest
 from eagle3data.atomic import dumps_line
 from eagle3data.generation.records import (
     SUMMARY_SCHEMA,
+    abandoned_record,
     counted_tokens,
     failed_record,
+    is_outcome,
     ok_record,
     spent_tokens,
     summarise,
@@ -43,6 +45,21 @@ def test_a_failed_record_counts_nothing_but_spent_tokens() -> None:
     record = failed_record("p2", "h2", "turn 2: HTTP 400: too long", 4)
     assert set(record) == {"id", "prompt_hash", "status", "error", "completion_tokens_spent"}
     assert (counted_tokens(record), spent_tokens(record)) == (0, 4)
+
+
+def test_an_abandoned_record_is_waste_and_never_an_outcome() -> None:
+    server = abandoned_record("p4", "h4", 37, estimated=False)
+    guess = abandoned_record("p5", "h5", 12, estimated=True)
+    assert not is_outcome(server) and is_outcome(failed_record("p2", "h2", "x", 4))
+    assert (counted_tokens(server), spent_tokens(server)) == (0, 37)
+    ok = ok_record("p1", "h1", MESSAGES, TURNS)
+    summary = summarise([server, guess, ok])
+    assert summary["abandoned"].to_list() == [True, True, False]
+    assert summary["failed"].to_list() == [False, False, False]
+    assert summary["completion_tokens"].to_list() == [0, 0, counted_tokens(ok)]
+    assert summary["spent_tokens"].to_list() == [37, 12, spent_tokens(ok)]
+    assert summary["spent_estimated"].to_list() == [0, 12, 0]
+    assert summary["conversation_tokens"].to_list()[:2] == [0, 0]
 
 
 @pytest.mark.parametrize("stamped", [True, False])

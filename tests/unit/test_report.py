@@ -19,16 +19,20 @@ from eagle3data.monitor.report import (
     budget_use,
     budget_use_figure,
     build_report,
+    cancelled_text,
     figure_size,
     length_histogram,
+    load_dataset,
     load_journal,
     max_tokens_of,
     read_response_rows,
     shard_tokens,
+    summary_rows,
     throughput,
     throughput_axis,
     truncation,
     turn_lengths,
+    waste_text,
 )
 
 
@@ -112,6 +116,8 @@ def _journal(rows: list[tuple[float | None, int]]) -> pl.DataFrame:
             "spent_tokens": [t for _, t in rows],
             "conversation_tokens": [t + 10 for _, t in rows],
             "finished_at": [at for at, _ in rows],
+            "abandoned": [False] * len(rows),
+            "spent_estimated": [0] * len(rows),
         },
         schema=SUMMARY_SCHEMA,
     )
@@ -278,3 +284,85 @@ def test_the_budget_legend_covers_no_bar_and_no_numbers(n: int) -> None:
     covered += [p.get_label() for p in ax.patches if _overlaps(box, p.get_window_extent(renderer))]
     assert covered == []
     assert "not decided yet" in ax.texts[-1].get_text()  # a running dataset's bar
+
+
+def test_the_cancelled_decode_is_shown_beside_the_waste() -> None:
+    stats = {"abandoned_requests": 12, "abandoned_tokens": 1204, "abandoned_tokens_estimated": 300}
+    assert cancelled_text(stats) == "1,204 tokens in 12 requests (300 estimated)"
+    exact = {**stats, "abandoned_tokens_estimated": 0}
+    assert cancelled_text(exact) == "1,204 tokens in 12 requests"
+    assert cancelled_text({"waste_tokens": 5}).startswith("n/a")
+
+
+def test_the_budget_picture_says_what_cancelled_requests_wasted() -> None:
+    stats = {"completion_tokens": 900, "waste_tokens": 150, "token_budget": 1000}
+    use = budget_use({**stats, "abandoned_tokens": 40, "abandoned_tokens_estimated": 10})
+    assert (use.abandoned_tokens, use.abandoned_tokens_estimated) == (40, 10)
+    assert waste_text(use) == "150 waste (~40 cancelled)"
+    assert waste_text(BudgetUse(900, 150, 1000, 40)) == "150 waste (40 cancelled)"
+    # Stats written before cancelled requests were counted: the waste alone.
+    assert waste_text(budget_use(stats)) == "150 waste"
+
+
+def test_the_budget_numbers_stay_inside_the_picture() -> None:
+    """Long numbers right of a long bar: the axis widens until they end inside it."""
+    bars = [
+        BudgetBar("A1", BudgetUse(1_999_950, 412_345, 2_000_000, 123_456, 4_000), "token_budget"),
+        BudgetBar("B2", BudgetUse(400_000, 25_000_000, 1_000_000, 20_000_000, 10), None),
+        BudgetBar("C3", BudgetUse(5, 7, None, 3), "exhausted"),
+    ]
+    fig = budget_use_figure(bars)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    [ax] = fig.axes
+    assert [t.get_text().split("; ")[0].rsplit(" + ", 1)[-1] for t in ax.texts] == [
+        "412,345 waste (~123,456 cancelled)",
+        "25,000,000 waste (~20,000,000 cancelled)",
+        "no token_budget: 5 tokens, 7 waste (3 cancelled)",
+    ]
+    for text in ax.texts:
+        assert text.get_window_extent(renderer).x1 <= fig.bbox.x1, text.get_text()
+
+
+def test_a_journal_summary_of_an_older_layout_is_read(tmp_path) -> None:
+    """records.parquet written before abandoned records existed: none of its rows is one."""
+    path = _write_records(tmp_path / "A1.records.parquet", [_journal_record(0, 1.0)])
+    pl.read_parquet(path).drop("abandoned", "spent_estimated").write_parquet(path)
+    summary, _ = load_journal(path)
+    assert summary.schema == pl.Schema(SUMMARY_SCHEMA)
+    assert (summary["abandoned"].to_list(), summary["spent_estimated"].to_list()) == ([False], [0])
+
+
+def test_the_report_shows_the_cancelled_decode_beside_the_waste(tmp_path) -> None:
+    """The generate job's stats and records of a dataset whose run cancelled requests in
+    flight: the table says what they wasted, and the rate counts their decode."""
+    _fake_dataset(tmp_path, "A1", ROWS, budget=30)
+    responses = tmp_path / "results/responses"
+    records = [_journal_record(i, 1000.0 + 30 * i) for i in range(len(ROWS))]
+    cancelled = [
+        {"id": "p3", "prompt_hash": "h3", "status": "abandoned", "completion_tokens_spent": 7,
+         "spent_source": "estimate", "finished_at": 1050.0},
+        {"id": "p4", "prompt_hash": "h4", "status": "abandoned", "completion_tokens_spent": 5,
+         "spent_source": "server", "finished_at": 1060.0},
+    ]  # fmt: skip
+    _write_records(responses / "A1.records.parquet", records + cancelled)
+    stats = json.loads((responses / "A1.stats.json").read_text())
+    stats.update(waste_tokens=4 + 12, abandoned_requests=2, abandoned_tokens=12,
+                 abandoned_tokens_estimated=7)  # fmt: skip
+    (responses / "A1.stats.json").write_text(json.dumps(stats))
+    report = load_dataset(
+        "A1",
+        responses=responses / "A1.jsonl",
+        response_stats=responses / "A1.stats.json",
+        tokenize_stats=tmp_path / "results/tokenized/A1.stats.json",
+        records=responses / "A1.records.parquet",
+        plan=tmp_path / "results/hidden_states/A1/plan.json",
+        manifest=tmp_path / "results/hidden_states/A1/manifest.json",
+        shard_bytes=800,
+    )
+    rows = dict(summary_rows(report))
+    assert rows["waste tokens"] == "16 (53.3%)"
+    assert rows["of which cancelled in flight"] == "12 tokens in 2 requests (7 estimated)"
+    # Three 5-token records and 12 cancelled tokens, journaled over 60 s.
+    assert rows["generation"] == "27 tokens in 1m00s (27 per minute)"
+    assert waste_text(report.budget) == "16 waste (~12 cancelled)"

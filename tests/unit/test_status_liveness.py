@@ -114,6 +114,8 @@ def _records(*rows: tuple[float, int]) -> pl.DataFrame:
             "spent_tokens": [t for _, t in rows],
             "conversation_tokens": [t for _, t in rows],
             "finished_at": [at for at, _ in rows],
+            "abandoned": [False] * len(rows),
+            "spent_estimated": [0] * len(rows),
         },
         schema=SUMMARY_SCHEMA,
     )
@@ -193,3 +195,18 @@ def test_a_stale_draft_vocabulary_is_not_done(tmp_path: Path) -> None:
     config = _finished_dataset(tmp_path)
     os.utime(tmp_path / "results/vocab/draft_vocab.pt", (2.5, 2.5))  # older than tokenized
     assert dataset_stage(Results(tmp_path), "A1", config) == "draft_vocab"
+
+
+def test_the_waste_cell_shows_what_cancelled_requests_decoded() -> None:
+    from dataclasses import fields
+
+    from eagle3data.monitor.snapshot import DatasetStatus, waste_cell
+
+    blank = {f.name: None for f in fields(DatasetStatus)}
+    row = DatasetStatus(**{**blank, "waste_tokens": 645, "abandoned_tokens": 0})
+    assert waste_cell(row) == "645"
+    row = DatasetStatus(**{**blank, "waste_tokens": 645, "abandoned_tokens": 119})
+    assert waste_cell(row) == "645 (119 cancelled)"
+    estimated = {"abandoned_tokens": 119, "abandoned_tokens_estimated": 40}
+    row = DatasetStatus(**{**blank, "waste_tokens": 645, **estimated})
+    assert waste_cell(row) == "645 (~119 cancelled)"

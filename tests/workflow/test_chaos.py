@@ -151,7 +151,9 @@ def durable_journal_keys(wf: Workflow, datasets: Any) -> set[str]:
     for ds in datasets:
         for path in wf.path(f"results/.work/generate/{ds}").glob("*.jsonl"):
             *complete, _tail = path.read_bytes().split(b"\n")
-            keys |= {first_user_text(json.loads(line)["messages"]) for line in complete}
+            records = [json.loads(line) for line in complete]
+            # Abandoned records (cancelled in flight) note waste; they decide nothing.
+            keys |= {first_user_text(r["messages"]) for r in records if "messages" in r}
     return keys
 
 

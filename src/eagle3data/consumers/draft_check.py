@@ -722,7 +722,6 @@ DEFAULT_MEMORY_LIMIT_GB = 16.0
 # of the training states (the aux shuffle concatenates and permutes them). Measured: peak
 # RSS of that preparation 3.5 times one float32 copy (50k tokens, hidden 576).
 RESIDENT_COPIES = 4
-_STATES_PER_TOKEN = 4  # three aux layers and the final state, hidden_size each
 _FLOAT32_BYTES = 4
 # What the check imports of speculators (its model, data alignment and loss).
 _SPECULATORS_MODULES = (
@@ -743,9 +742,15 @@ class ShardPlan:
     hidden_size: int
 
     @property
+    def states_per_token(self) -> int:
+        """The aux layers and the final state, hidden_size each."""
+        return len(self.layer_ids) + 1
+
+    @property
     def memory_bytes(self) -> int:
         """The memory the check's states take (:data:`RESIDENT_COPIES` float32 copies)."""
-        return self.tokens * _STATES_PER_TOKEN * self.hidden_size * _FLOAT32_BYTES * RESIDENT_COPIES
+        per_token = self.states_per_token * self.hidden_size * _FLOAT32_BYTES
+        return self.tokens * per_token * RESIDENT_COPIES
 
 
 def read_shard_plan(shard_dirs: Sequence[str | Path]) -> ShardPlan:
@@ -775,7 +780,7 @@ def read_shard_plan(shard_dirs: Sequence[str | Path]) -> ShardPlan:
         tokens += int(manifest["num_tokens"])
     if layer_ids is None or hidden is None or samples < 2:
         raise DraftCheckError(
-            f"the draft check needs at least 2 conversations to hold some out; the shards of "
+            f"the draft check needs at least 2 samples to hold some out; the shards of "
             f"{len(shard_dirs)} dataset(s) hold {samples}"
         )
     return ShardPlan(layer_ids, samples, tokens, hidden)
@@ -792,7 +797,7 @@ def check_memory(plan: ShardPlan, limit_gb: float) -> None:
     if plan.memory_bytes > limit_gb * 1e9:
         raise DraftCheckError(
             f"the draft check would hold {plan.memory_bytes / 1e9:.1f} GB of states ("
-            f"{plan.tokens} tokens x {_STATES_PER_TOKEN} states x hidden {plan.hidden_size} x "
+            f"{plan.tokens} tokens x {plan.states_per_token} states x hidden {plan.hidden_size} x "
             f"{_FLOAT32_BYTES} bytes x {RESIDENT_COPIES} copies), over "
             f"draft_check.{MEMORY_LIMIT_KEY} ({limit_gb:g} GB); raise it on a machine with "
             f"that memory, or check fewer or smaller datasets"

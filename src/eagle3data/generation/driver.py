@@ -32,11 +32,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import signal
 import statistics
 import time
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,22 +54,28 @@ from .budget import (
     select_prefix,
 )
 from .engines import (
+    CURRENT_REQUEST,
     OVER_CONTEXT,
     AsyncEngine,
     Completion,
     Engine,
+    RequestTrace,
     Tools,
     TransientError,
     TurnFailure,
 )
+from .engines.server_queue import SentRequest, queued_positions
 from .journal import JournalWriter, read_journal
 from .records import (
+    AbandonedRecord,
     JournalRecord,
     Turn,
+    abandoned_record,
     compact_token_ids,
     counted_tokens,
     failed_record,
     is_failed,
+    is_outcome,
     ok_record,
     spent_tokens,
 )
@@ -105,7 +112,8 @@ class GenerationResult:
     selection: Selection
     generated_now: int = 0  # prompts sent to the engine by this run
     failures: list[dict[str, Any]] = field(default_factory=list)
-    # Every record of the current prompts, in journal order (used by the output or not).
+    # Every record of the current prompts (used by the output or not): the outcomes in
+    # journal order, then the abandoned records.
     records: list[JournalRecord] = field(default_factory=list)
 
 
@@ -114,14 +122,26 @@ def _outcome(record: Mapping[str, Any]) -> Outcome:
 
 
 def load_records(job: GenerationJob) -> dict[str, JournalRecord]:
-    """Journal records of the current prompts (same id and same prompt text)."""
+    """Journal records of the current prompts (same id and same prompt text): the first
+    outcome (ok or failed) of each."""
+    return load_journal(job)[0]
+
+
+def load_journal(job: GenerationJob) -> tuple[dict[str, JournalRecord], list[AbandonedRecord]]:
+    """The first outcome of each current prompt, and every abandoned record of the current
+    prompts (what cancelled requests decoded: waste, never an outcome)."""
     wanted = {p.id: p.prompt_hash for p in job.prompts}
     records: dict[str, JournalRecord] = {}
+    abandoned: list[AbandonedRecord] = []
     for rec in read_journal(job.journal):
         pid = rec.get("id")
-        if wanted.get(pid) == rec.get("prompt_hash") and pid not in records:
+        if wanted.get(pid) != rec.get("prompt_hash"):
+            continue
+        if not is_outcome(rec):
+            abandoned.append(rec)  # type: ignore[arg-type]
+        elif pid not in records:
             records[pid] = rec
-    return records
+    return records, abandoned
 
 
 def _batch_seed(seed: int, first_id: str, turn: int) -> int:
@@ -285,7 +305,11 @@ class _Progress:
         self.last_line = ""
 
     def update(
-        self, sel: Selection, records: Mapping[str, JournalRecord], force: bool = False
+        self,
+        sel: Selection,
+        records: Mapping[str, JournalRecord],
+        force: bool = False,
+        abandoned_tokens: int = 0,
     ) -> None:
         now = time.monotonic()
         if not force and now - self.last < self.job.progress_interval_s:
@@ -307,7 +331,7 @@ class _Progress:
             budget = f"{sel.tokens}/unlimited"
         else:
             budget = f"{sel.tokens}/{cap} ({100 * sel.tokens / max(cap, 1):.0f}%)"
-        generated = sum(spent_tokens(r) for r in records.values())
+        generated = sum(spent_tokens(r) for r in records.values()) + abandoned_tokens
         line = (
             f"{self.job.dataset}: {done}/{expected_total} "
             f"({len(sel.failed)} err, {self.transient_errors} retried) "
@@ -423,7 +447,7 @@ class _Run:
         self.order = [p.id for p in job.prompts]
         self.by_id = {p.id: p for p in job.prompts}
         self.limits = {"token_budget": job.token_budget, "max_samples": job.max_samples}
-        self.records = load_records(job)
+        self.records, self.abandoned = load_journal(job)
         self.resumed = len(self.records)
         self.outcomes = {pid: _outcome(r) for pid, r in self.records.items()}
         total = (
@@ -460,7 +484,7 @@ class _Run:
         flight has got, so as not to overshoot when lengths are long-tailed. Otherwise
         (far from the end, the first lengths, in-process batches: nothing in flight)
         with the running mean, as before; batches stay a function of the journal."""
-        if in_flight and self._near_end(len(in_flight) + limit):
+        if in_flight and self.near_end(len(in_flight) + limit):
             progress = self.clock.progress(self.ok_tokens / max(self.ok_count, 1))
             fit = self.lengths.fit(progress[p] for p in in_flight if p in progress)
             if fit is not None:
@@ -483,7 +507,7 @@ class _Run:
             **self.limits,
         )
 
-    def _near_end(self, requests: int) -> bool:
+    def near_end(self, requests: int) -> bool:
         """Whether ``requests`` more could reach the budget, counted generously (twice
         the mean length of a request in flight): further away, both plans fill every
         free slot, and fitting the lengths would only cost time."""
@@ -511,7 +535,20 @@ class _Run:
         self.generated_now += len(new)
         self.progress.generated = self.generated_now
         self.sel = select_prefix(self.order, self.outcomes, **self.limits, resume_from=self.sel)
-        self.progress.update(self.sel, self.records)
+        self.progress.update(self.sel, self.records, abandoned_tokens=self.abandoned_tokens)
+
+    @property
+    def abandoned_tokens(self) -> int:
+        return sum(spent_tokens(r) for r in self.abandoned)
+
+    def abandon(self, new: list[AbandonedRecord]) -> None:
+        """Journal what cancelled conversations decoded (nothing of it is kept)."""
+        finished_at = round(time.time(), 3)
+        for rec in new:
+            rec["finished_at"] = finished_at
+        self.journal.append_many(new)  # type: ignore[arg-type]
+        self.abandoned.extend(new)
+        self.progress.cancelled += len(new)
 
 
 def run_generation(
@@ -556,9 +593,16 @@ def run_generation(
                     _batched(run, engine_factory)
             except KeyboardInterrupt as stop:  # SIGINT, or SIGTERM (driver_signals)
                 raise GenerationAborted(stopped_message(run, signal_name(stop))) from None
-    run.progress.update(run.sel, run.records, force=True)
+    run.progress.update(run.sel, run.records, force=True, abandoned_tokens=run.abandoned_tokens)
     return _assemble(
-        job, run.order, run.records, run.sel, run.resumed, run.generated_now, run.engine_notes
+        job,
+        run.order,
+        run.records,
+        run.sel,
+        run.resumed,
+        run.generated_now,
+        run.engine_notes,
+        run.abandoned,
     )
 
 
@@ -574,11 +618,129 @@ def _batched(run: _Run, engine_factory: Any) -> None:
             run.commit(new)
 
 
-async def _converse(engine: AsyncEngine, prompt: Prompt) -> JournalRecord:
-    conv = Conversation(prompt)
+@dataclass
+class _InFlight:
+    """A conversation in flight: its position, its turns so far and its current request."""
+
+    pos: int
+    conversation: Conversation
+    trace: RequestTrace = field(default_factory=RequestTrace)
+    started: bool = False  # seen decoding (not in the server's queue) by a queue gauge
+
+
+async def _converse(engine: AsyncEngine, flight: _InFlight) -> JournalRecord:
+    CURRENT_REQUEST.set(flight.trace)  # this task's own context: the engine fills it in
+    conv = flight.conversation
     while (request := conv.next_request()) is not None:
         conv.add(await engine.complete(request, **conv.tools_kwargs()))
     return conv.record()
+
+
+def _estimated_tokens(abandoned: Iterable[AbandonedRecord]) -> int:
+    """The part of abandoned records' decode that no server reported."""
+    return sum(r["completion_tokens_spent"] for r in abandoned if r["spent_source"] == "estimate")
+
+
+def _abandoned(
+    run: _Run, flights: Sequence[_InFlight], *, queued: bool = False
+) -> list[AbandonedRecord]:
+    """Records of conversations cancelled in flight: the turns they finished, and what the
+    cancelled request had decoded, as the server said or else estimated from the token
+    clock (a request that was never sent decoded nothing; one ``queued`` in the server by
+    its gauge is estimated at nothing)."""
+    progress = run.clock.progress(run.ok_tokens / max(run.ok_count, 1)) if flights else {}
+    out = []
+    for flight in flights:
+        conv = flight.conversation
+        finished = sum(t["completion_tokens"] for t in conv.turns)
+        decoded, estimated = flight.trace.decoded_on_cancel, False
+        if decoded is None and flight.trace.sent_at is None:
+            decoded = 0
+        elif decoded is None and queued:
+            decoded, estimated = 0, True
+        elif decoded is None:
+            decoded, estimated = max(round(progress.get(flight.pos, 0.0)) - finished, 0), True
+        prompt = conv.prompt
+        out.append(
+            abandoned_record(prompt.id, prompt.prompt_hash, finished + decoded, estimated=estimated)
+        )
+    return out
+
+
+async def _cancel(
+    run: _Run, flights: Mapping[asyncio.Task[JournalRecord], _InFlight], *, queued: bool = False
+) -> None:
+    """Cancel these conversations and wait for them: one that finished before the cancel
+    took is kept like any other (beyond the prefix, or a stop's last answers); the others
+    are journaled as abandoned, their decode waste. The engine frees each request on its
+    server (vLLM: the closed connection; SGLang: an abort by request id) and says what it
+    had decoded where the server tells."""
+    for task in flights:
+        task.cancel()
+    await asyncio.gather(*flights, return_exceptions=True)
+    ended = [t for t in flights if not t.cancelled() and t.exception() is None]
+    finished = [t.result() for t in ended]
+    cancelled = [flight for t, flight in flights.items() if t not in ended]
+    for flight in cancelled:
+        run.clock.dropped(flight.pos)
+    for task in ended:
+        run.clock.finished(flights[task].pos, spent_tokens(task.result()))
+    with stop_deferred():
+        abandoned = _abandoned(run, cancelled, queued=queued)
+        run.abandon(abandoned)
+        if finished:
+            run.commit(finished)
+    log.info(
+        "%s: cancelled %d requests %s (%d tokens decoded for them, %d of them estimated); "
+        "kept %d that had finished",
+        run.job.dataset,
+        len(cancelled),
+        "waiting in the server's queue" if queued else "in flight",
+        sum(spent_tokens(r) for r in abandoned),
+        _estimated_tokens(abandoned),
+        len(finished),
+    )
+
+
+QUEUE_POLL_S = 0.1  # how often the servers' queue gauges are read
+
+
+async def _follow_queues(
+    run: _Run, engine: Any, in_flight: dict[asyncio.Task[JournalRecord], _InFlight]
+) -> None:
+    """Read the servers' queues: a conversation seen decoding for the first time starts
+    its token clock now (not when it was sent: it waited in the queue meanwhile); near the
+    end of the budget, conversations still waiting in a queue that the plan would no
+    longer send are cancelled, which costs nothing, and come back undecided."""
+    queues = await engine.server_queues()
+    requests = [SentRequest(f.pos, f.trace.endpoint, f.trace.sent_at) for f in in_flight.values()]
+    queued = queued_positions(requests, queues)
+    for flight in in_flight.values():
+        if flight.pos not in queued and not flight.started:
+            flight.started = True
+            run.clock.dispatched(flight.pos)
+    # Only a first turn: cancelling a later one would throw the earlier turns away.
+    waiting = {t: f for t, f in in_flight.items() if f.pos in queued and not f.conversation.turns}
+    running = {f.pos for t, f in in_flight.items() if t not in waiting}
+    cancel = unneeded_waiting(run, running, {f.pos for f in waiting.values()})
+    unneeded = {t: f for t, f in waiting.items() if f.pos in cancel}
+    if unneeded:
+        for task in unneeded:
+            del in_flight[task]
+        await _cancel(run, unneeded, queued=True)
+
+
+def unneeded_waiting(run: _Run, running: Collection[int], waiting: Collection[int]) -> set[int]:
+    """Of the conversations waiting in a server's queue, those the plan would not send now
+    if they had not been sent: near the end of the budget, cancelling them costs nothing
+    and keeps the server from starting what the prefix will likely not need. Far from the
+    end, none: the queue keeps the server full."""
+    if not waiting or not run.near_end(len(running) + len(waiting)):
+        return set()
+    # No cap but the plan's own (positions not sent yet may come before a waiting one): a
+    # cap would give back waiting requests the plan wants.
+    wanted = set(run.plan(len(run.order), set(running)))
+    return {pos for pos in waiting if pos not in wanted}
 
 
 async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
@@ -603,28 +765,40 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
             handled.append(sig)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
-    in_flight: dict[asyncio.Task[JournalRecord], int] = {}
+    in_flight: dict[asyncio.Task[JournalRecord], _InFlight] = {}
     failures = _FailureTracker(run.job.dataset, limits)
     stopper = asyncio.ensure_future(stop.wait())
     try:
         await engine.start()
+        follow_queues = bool(getattr(engine, "reports_queues", False))
+        last_poll = -math.inf
         while not run.sel.complete and not stop.is_set():
+            if follow_queues and in_flight and time.monotonic() - last_poll >= QUEUE_POLL_S:
+                last_poll = time.monotonic()
+                await _follow_queues(run, engine, in_flight)
+                if run.sel.complete:  # an answer kept while cancelling decided the prefix
+                    break
             free = engine.capacity - len(in_flight)
             if free > 0:
-                busy = set(in_flight.values())
+                busy = {flight.pos for flight in in_flight.values()}
                 for pos in run.plan(free, busy):
-                    task = asyncio.ensure_future(_converse(engine, run.by_id[run.order[pos]]))
-                    in_flight[task] = pos
+                    flight = _InFlight(pos, Conversation(run.by_id[run.order[pos]]))
+                    in_flight[asyncio.ensure_future(_converse(engine, flight))] = flight
+                    # Again when a queue gauge first shows it decoding (_follow_queues).
                     run.clock.dispatched(pos)
             run.progress.in_flight = len(in_flight)
             if not in_flight:
                 raise AssertionError("nothing in flight for an undecided prefix")  # unreachable
-            done, _ = await asyncio.wait([*in_flight, stopper], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                [*in_flight, stopper],
+                timeout=QUEUE_POLL_S if follow_queues else None,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             finished = []
             for task in done:
                 if task is stopper:
                     continue
-                pos = in_flight.pop(task)
+                pos = in_flight.pop(task).pos
                 try:
                     record = task.result()
                 except TransientError as exc:
@@ -636,7 +810,8 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
                 run.clock.finished(pos, spent_tokens(record))
                 finished.append(record)
                 failed = is_failed(record)
-                failures.record(failed=failed)
+                # A prompt too long for the context says nothing about the server.
+                failures.record(failed=failed and record.get("kind") != OVER_CONTEXT)
                 if failed:
                     log.warning("%s: failed: %s", record["id"], record["error"])
             if finished:
@@ -645,14 +820,10 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
         if stop.is_set():
             raise GenerationAborted(stopped_message(run, stop_reason[0]))
     finally:
-        # Closing the connections aborts these requests in SGLang and vLLM.
-        for task in in_flight:
-            task.cancel()
         stopper.cancel()
-        await asyncio.gather(*in_flight, stopper, return_exceptions=True)
+        await asyncio.gather(stopper, return_exceptions=True)
         if in_flight:
-            run.progress.cancelled += len(in_flight)
-            log.info("%s: cancelled %d requests in flight", run.job.dataset, len(in_flight))
+            await _cancel(run, in_flight)
         for sig in handled:
             loop.remove_signal_handler(sig)
             signal.signal(sig, previous[sig])
@@ -677,6 +848,7 @@ def _assemble(
     resumed: int,
     generated_now: int,
     engine_notes: Mapping[str, int] | None = None,
+    abandoned: Sequence[AbandonedRecord] = (),
 ) -> GenerationResult:
     sampling = {**job.sampling, "seed": job.seed}
     rows = []
@@ -697,7 +869,8 @@ def _assemble(
             row["tools"] = rec["tools"]
         rows.append(row)
     failures = [_failure_row(order[pos], pos, records[order[pos]]) for pos in sel.failed]
-    generated_tokens = sum(spent_tokens(r) for r in records.values())
+    abandoned_tokens = sum(spent_tokens(r) for r in abandoned)
+    generated_tokens = sum(spent_tokens(r) for r in records.values()) + abandoned_tokens
     truncated = sum(1 for r in rows if any(t["finish_reason"] == "length" for t in r["turns"]))
     ids = _token_id_counts(job.dataset, rows)
     stats = {
@@ -714,6 +887,11 @@ def _assemble(
         "truncated": truncated,
         "generated_tokens_total": generated_tokens,
         "waste_tokens": generated_tokens - sel.tokens,
+        # Conversations cancelled in flight (budget reached, or a stop): what the engine
+        # decoded for them, in waste_tokens; the part no server reported is estimated.
+        "abandoned_requests": len(abandoned),
+        "abandoned_tokens": abandoned_tokens,
+        "abandoned_tokens_estimated": _estimated_tokens(abandoned),
         "records_resumed": resumed,
         "records_generated_now": generated_now,
         # Failures that do not fit the context: a server's 4xx, or an answer it cut there.
@@ -727,7 +905,9 @@ def _assemble(
     }
     # The accounting invariant: every prompt is in exactly one bucket.
     assert stats["in_output"] + stats["failed"] + stats["beyond_limits"] == stats["prompts"]
-    return GenerationResult(rows, stats, sel, generated_now, failures, list(records.values()))
+    # The engine decoded the abandoned ones too: the report's throughput counts them.
+    every = [*records.values(), *abandoned]
+    return GenerationResult(rows, stats, sel, generated_now, failures, every)  # type: ignore[arg-type]
 
 
 def _failure_row(prompt_id: str, pos: int, record: Mapping[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,16 @@ On disk (one JSON line per record, keys sorted)::
              tools (only for conversations with tools)}
     failed: {id, prompt_hash, status: "failed", error, completion_tokens_spent, finished_at,
              kind (only for a known kind: "over_context")}
+    abandoned: {id, prompt_hash, status: "abandoned", completion_tokens_spent, spent_source,
+             finished_at}
+
+An abandoned record is not an outcome: the conversation was in flight when the run cancelled
+it (its prefix was decided without it, or the run was stopped), and the prompt stays
+undecided (a later dispatch may generate it again). It records what the engine decoded for
+it, all waste: the turns it finished and what the cancelled turn had decoded, as the server
+said (``spent_source: "server"``, SGLang's answer to an abort) or estimated from how long it
+ran (``"estimate"``). Readers of outcomes skip it (:func:`is_outcome`); :func:`spent_tokens`
+counts it.
 
 A :class:`Turn` keeps the token ids the engine saw and produced (``token_ids``, stored
 compactly: :func:`compact_token_ids`, :func:`turn_token_ids`) where it returned them.
@@ -83,6 +93,15 @@ class FailedRecord(TypedDict):
     completion_tokens_spent: int
     finished_at: NotRequired[float]
     kind: NotRequired[str]  # "over_context": the conversation does not fit the context
+
+
+class AbandonedRecord(TypedDict):
+    id: str
+    prompt_hash: str
+    status: Literal["abandoned"]
+    completion_tokens_spent: int  # decoded for the conversation, none of it kept
+    spent_source: Literal["server", "estimate"]
+    finished_at: NotRequired[float]
 
 
 JournalRecord = OkRecord | FailedRecord
@@ -168,18 +187,35 @@ def failed_record(
     return record
 
 
+def abandoned_record(
+    prompt_id: str, prompt_hash: str, spent: int, *, estimated: bool
+) -> AbandonedRecord:
+    return {
+        "id": prompt_id,
+        "prompt_hash": prompt_hash,
+        "status": "abandoned",
+        "completion_tokens_spent": spent,
+        "spent_source": "estimate" if estimated else "server",
+    }
+
+
 def is_failed(record: Mapping[str, Any]) -> bool:
     return bool(record["status"] == "failed")
 
 
+def is_outcome(record: Mapping[str, Any]) -> bool:
+    """Whether the record decides its prompt (ok or failed), unlike an abandoned one."""
+    return record.get("status") != "abandoned"
+
+
 def counted_tokens(record: Mapping[str, Any]) -> int:
     """What the budget counts: the completion tokens of a record in the output (0 if failed)."""
-    return 0 if is_failed(record) else int(record["usage"]["completion_tokens"])
+    return int(record["usage"]["completion_tokens"]) if record["status"] == "ok" else 0
 
 
 def spent_tokens(record: Mapping[str, Any]) -> int:
     """Completion tokens the engine generated for the record, used or not."""
-    if is_failed(record):
+    if record["status"] in ("failed", "abandoned"):
         return int(record["completion_tokens_spent"])
     return int(record["usage"]["completion_tokens"])
 
@@ -194,6 +230,7 @@ RECORD_SCHEMA = {
     "usage": pl.Struct({"completion_tokens": pl.Int64}),
     "turns": pl.List(pl.Struct({"prompt_tokens": pl.Int64, "completion_tokens": pl.Int64})),
     "completion_tokens_spent": pl.Int64,
+    "spent_source": pl.String,
     "finished_at": pl.Float64,
 }
 SUMMARY_SCHEMA = {
@@ -204,6 +241,8 @@ SUMMARY_SCHEMA = {
     "spent_tokens": pl.Int64,  # spent_tokens
     "conversation_tokens": pl.Int64,  # last turn's prompt + completion: the full length
     "finished_at": pl.Float64,  # null in journals written before it was recorded
+    "abandoned": pl.Boolean,  # an abandoned record: waste, never an outcome
+    "spent_estimated": pl.Int64,  # of spent_tokens, the part no server reported
 }
 
 
@@ -213,21 +252,25 @@ def summarise_lines(chunk: bytes) -> pl.DataFrame:
         return pl.DataFrame(schema=SUMMARY_SCHEMA)
     raw = pl.read_ndjson(io.BytesIO(chunk), schema=RECORD_SCHEMA)
     failed = pl.col("status") == "failed"
+    abandoned = pl.col("status") == "abandoned"
     completion = pl.col("usage").struct.field("completion_tokens")
+    spent = pl.col("completion_tokens_spent").fill_null(0)
     last = pl.col("turns").list.last()
     return raw.select(
         "id",
         "prompt_hash",
         failed.alias("failed"),
-        pl.when(failed).then(0).otherwise(completion).alias("completion_tokens"),
-        pl.when(failed)
-        .then(pl.col("completion_tokens_spent").fill_null(0))
-        .otherwise(completion)
-        .alias("spent_tokens"),
+        pl.when(failed | abandoned).then(0).otherwise(completion).alias("completion_tokens"),
+        pl.when(failed | abandoned).then(spent).otherwise(completion).alias("spent_tokens"),
         (last.struct.field("prompt_tokens") + last.struct.field("completion_tokens"))
         .fill_null(0)
         .alias("conversation_tokens"),
         "finished_at",
+        abandoned.alias("abandoned"),
+        pl.when(abandoned & (pl.col("spent_source") == "estimate"))
+        .then(spent)
+        .otherwise(0)
+        .alias("spent_estimated"),
     ).cast(SUMMARY_SCHEMA)  # type: ignore[arg-type]
 
 

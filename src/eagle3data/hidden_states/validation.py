@@ -65,7 +65,7 @@ def sample_id_errors(
         if not 0 <= index < len(response_ids):
             errors.append(f"sample {sample_id!r} names response index {index}, which is absent")
             break
-        # Whole conversation, or one of its per-turn samples (tokenization.table).
+        # Whole conversation, or one of its samples split at a break (tokenization.table).
         one, per_turn = (sample_id_of(response_ids[index], turn, n) for n in (1, 2))
         if sample_id not in (one, per_turn):
             errors.append(f"sample {sample_id!r} does not belong to response {index}")

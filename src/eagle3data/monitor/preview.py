@@ -4,6 +4,9 @@ Used by the dry run (``snakemake -n`` prints it) so a user learns the bytes befo
 run starts, not when the disk fills. The estimate only reads the prepared prompt
 order and the generation journal, both cheap, and gets better as generation goes on:
 
+The journal's abandoned records (requests cancelled in flight) decide no prompt: the
+prefix is what the outcomes alone give, as a re-run selects it; their decode is waste.
+
 * ``decided``: the journal already decides the budget prefix, so the conversations
   are known and their tokens are the engine's counts of the final turn (prompt +
   completion), capped at ``max_seq_len``; tokenization may differ by a few tokens;
@@ -133,6 +136,16 @@ def limits_text(ds_cfg: Mapping[str, Any]) -> str:
     )
 
 
+def cancelled_note(tokens: int, estimated: int) -> str:
+    """After a waste: the part of it requests cancelled in flight decoded, e.g. `` (119 of
+    them cancelled in flight, 40 estimated)``; nothing when none was."""
+    if not tokens:
+        return ""
+    return f" ({tokens} of them cancelled in flight" + (
+        f", {estimated} estimated)" if estimated else ")"
+    )
+
+
 def generation_line(
     config: Mapping[str, Any],
     dataset: str,
@@ -149,7 +162,8 @@ def generation_line(
     )
     if progress.basis == "decided":
         waste = progress.generated_tokens - progress.completion_tokens
-        line = f"  {dataset}: done: {done} (limits: {limits}); waste {waste} tokens"
+        cancelled = cancelled_note(progress.abandoned_tokens, progress.abandoned_tokens_estimated)
+        line = f"  {dataset}: done: {done} (limits: {limits}); waste {waste} tokens{cancelled}"
         if not responses_current(results or Results(), dataset, ds_cfg):
             # A changed limit lists a generate job: say it generates nothing.
             line += "; nothing to generate: its generate job only writes the output"

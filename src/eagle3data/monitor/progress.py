@@ -4,7 +4,9 @@ The status command and the dry-run preview both need, per dataset, the budget pr
 decided so far and an estimate of the rest. A journal of a million long responses is
 tens of GB of JSON, so it is summarised once into a small table (id, tokens, time)
 cached beside it and extended incrementally: the journal is append-only, and only its
-complete lines are ever summarised (a torn tail that is later cut off never was).
+complete lines are ever summarised (a torn tail that is later cut off never was). A
+cache in another layout than :data:`SUMMARY_SCHEMA` (written by an older version) is
+not used: the journal is summarised again from its start.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def journal_summary(journal: Path, cache_dir: Path | None = None) -> pl.DataFram
 
     With ``cache_dir`` the summary of what was read before is reused and only the
     appended bytes are parsed; a journal shorter than the cached offset (deleted and
-    restarted) is summarised from scratch. A cache that cannot be written is skipped.
+    restarted) is summarised from scratch, and so is one whose cached table has other
+    columns than :data:`SUMMARY_SCHEMA`. A cache that cannot be written is skipped.
     """
     if not journal.exists():
         return pl.DataFrame(schema=SUMMARY_SCHEMA)
@@ -38,7 +41,9 @@ def journal_summary(journal: Path, cache_dir: Path | None = None) -> pl.DataFram
         try:
             info = json.loads(meta.read_text())
             if info["journal"] == str(journal) and info["offset"] <= journal.stat().st_size:
-                cached, offset = pl.read_parquet(table), int(info["offset"])
+                table_read = pl.read_parquet(table)
+                if table_read.schema == pl.Schema(SUMMARY_SCHEMA):  # else: an older layout
+                    cached, offset = table_read, int(info["offset"])
         except (OSError, ValueError, KeyError, pl.exceptions.PolarsError):
             pass  # no usable cache: read everything
     with open(journal, "rb") as fh:
@@ -73,7 +78,17 @@ class DatasetProgress:
     expected_tokens: int  # conversation tokens of the whole prefix
     expected_completion_tokens: int  # what the budget counts, of the whole prefix
     basis: str  # "decided", "extrapolated" or "nothing yet"
-    records: pl.DataFrame  # the current prompts' records (first per id)
+    records: pl.DataFrame  # the current prompts' outcomes (ok or failed; the first per id)
+    # Everything the engine generated for the current prompts: ``records``, then the
+    # abandoned records (the rows the generate job's records.parquet holds); what rates
+    # and the throughput picture count.
+    journal: pl.DataFrame
+    # Conversations cancelled in flight (abandoned records): how many, what the engine
+    # decoded for them (part of generated_tokens, so of the waste) and the part of that
+    # no server reported (estimated).
+    abandoned_requests: int
+    abandoned_tokens: int
+    abandoned_tokens_estimated: int
 
 
 def dataset_progress(
@@ -86,14 +101,20 @@ def dataset_progress(
     max_seq_len: int,
 ) -> DatasetProgress:
     """Select the budget prefix over ``summary`` like generation does, then extrapolate
-    the undecided rest at the cost of the conversations finished so far."""
+    the undecided rest at the cost of the conversations finished so far.
+
+    Like the driver's ``load_journal``: a prompt's outcome is its first ok or failed
+    record of the current prompt text; abandoned records (cancelled in flight) decide
+    nothing, wherever they are in the journal, and count only as generated tokens.
+    """
     wanted = pl.DataFrame(
         {"id": list(order), "prompt_hash": list(prompt_hashes)},
         schema={"id": pl.String, "prompt_hash": pl.String},
     )
-    records = summary.join(wanted, on=["id", "prompt_hash"], how="semi").unique(
-        "id", keep="first", maintain_order=True
-    )
+    current = summary.join(wanted, on=["id", "prompt_hash"], how="semi")
+    abandoned = current.filter(pl.col("abandoned"))
+    records = current.filter(~pl.col("abandoned")).unique("id", keep="first", maintain_order=True)
+    journal = pl.concat([records, abandoned])
     capped = records.with_columns(pl.col("conversation_tokens").clip(upper_bound=max_seq_len))
     # One row per prompt position, with its record's outcome when there is one.
     by_position = wanted.select("id").join(capped, on="id", how="left", maintain_order="left")
@@ -109,7 +130,8 @@ def dataset_progress(
     done = len(sel.selected)
     tokens = int(lengths[sel.selected].sum()) if done else 0
     ok = capped.filter(~pl.col("failed"))
-    generated = int(records["spent_tokens"].sum() or 0)
+    abandoned_tokens = int(abandoned["spent_tokens"].sum() or 0)
+    generated = int(journal["spent_tokens"].sum() or 0)
     failed = int(records["failed"].sum() or 0)
 
     def result(convs: int, total: int, completion: int, basis: str) -> DatasetProgress:
@@ -126,6 +148,10 @@ def dataset_progress(
             completion,
             basis,
             records,
+            journal,
+            abandoned.height,
+            abandoned_tokens,
+            int(abandoned["spent_estimated"].sum() or 0),
         )
 
     if sel.complete:

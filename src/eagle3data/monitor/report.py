@@ -5,7 +5,8 @@ One figure per question, every dataset in it (datasets keep one colour throughou
 * ``completion_lengths.png``: histogram of completion tokens per assistant turn, with
   ``max_tokens`` marked (the bar at the line is the turns that were cut off);
 * ``budget_use.png``: completion tokens in the output and the waste, as shares of the
-  token budget (also drawn for a running workflow: ``eagle3data-status --plot DIR``);
+  token budget, with the part of the waste requests cancelled in flight decoded (also
+  drawn for a running workflow: ``eagle3data-status --plot DIR``);
 * ``truncation.png``: share of conversations whose last turn ended with
   ``finish_reason == "length"`` (and whose any turn did);
 * ``throughput.png``: completion tokens generated per minute over time, from the
@@ -37,6 +38,7 @@ import numpy as np
 import polars as pl
 
 from ..atomic import atomic_open, atomic_path
+from ..generation.records import SUMMARY_SCHEMA
 from ..units import duration, human_bytes
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,9 @@ class BudgetUse:
     completion_tokens: int  # in the output: what the budget counts
     waste_tokens: int  # generated, not in the output
     token_budget: int | None
+    # Of the waste: what requests cancelled in flight decoded, and the part of it estimated.
+    abandoned_tokens: int = 0
+    abandoned_tokens_estimated: int = 0
 
     @property
     def used_share(self) -> float | None:
@@ -101,8 +106,22 @@ class BudgetUse:
 
 def budget_use(stats: Mapping[str, Any]) -> BudgetUse:
     return BudgetUse(
-        int(stats["completion_tokens"]), int(stats["waste_tokens"]), stats.get("token_budget")
+        int(stats["completion_tokens"]),
+        int(stats["waste_tokens"]),
+        stats.get("token_budget"),
+        int(stats.get("abandoned_tokens", 0)),  # 0 in stats written before it was counted
+        int(stats.get("abandoned_tokens_estimated", 0)),
     )
+
+
+def waste_text(use: BudgetUse) -> str:
+    """``150 waste``, and the part requests cancelled in flight decoded: ``150 waste (40
+    cancelled)``; ``~``: partly estimated."""
+    text = f"{_fmt(use.waste_tokens)} waste"
+    if not use.abandoned_tokens:
+        return text
+    about = "~" if use.abandoned_tokens_estimated else ""
+    return f"{text} ({about}{_fmt(use.abandoned_tokens)} cancelled)"
 
 
 @dataclass(frozen=True)
@@ -263,7 +282,12 @@ def load_journal(records: str | Path) -> tuple[pl.DataFrame, str | None]:
     """The generated conversations the responses were selected from (the journal as the
     generate job summarised it), and why they give no timestamps, if they do not."""
     summary = pl.read_parquet(records)
-    return summary, journal_note(summary)
+    # Written before abandoned records existed: none of its rows is one.
+    missing = {"abandoned": False, "spent_estimated": 0}
+    summary = summary.with_columns(
+        pl.lit(v).alias(k) for k, v in missing.items() if k not in summary.columns
+    ).select(list(SUMMARY_SCHEMA))
+    return summary.cast(SUMMARY_SCHEMA), journal_note(summary)  # type: ignore[arg-type]
 
 
 def journal_note(summary: pl.DataFrame) -> str | None:
@@ -397,8 +421,7 @@ def budget_use_figure(bars: Sequence[BudgetBar], title: str = "Budget use per da
             ax.text(
                 1,
                 i,
-                f"{reason}: {_fmt(b.completion_tokens)} tokens, {_fmt(b.waste_tokens)} waste;"
-                f" {stop}",
+                f"{reason}: {_fmt(b.completion_tokens)} tokens, {waste_text(b)}; {stop}",
                 va="center",
                 fontsize=8,
             )
@@ -410,7 +433,7 @@ def budget_use_figure(bars: Sequence[BudgetBar], title: str = "Budget use per da
             used + waste + 1,
             i,
             f"{_fmt(b.completion_tokens)} / {_fmt(b.token_budget or 0)} ({used:.0f}%)"
-            f" + {_fmt(b.waste_tokens)} waste; {stop}",
+            f" + {waste_text(b)}; {stop}",
             va="center",
             fontsize=8,
         )
@@ -423,6 +446,7 @@ def budget_use_figure(bars: Sequence[BudgetBar], title: str = "Budget use per da
         if b.use.token_budget
     ]
     ax.set_xlim(0, max([100.0, *ends]) + 60)  # room for the numbers right of the bars
+    _fit_texts(ax)
     ax.set_xlabel("% of token_budget (dashed line: the budget)")
     from matplotlib.patches import Patch
 
@@ -440,6 +464,22 @@ def budget_use_figure(bars: Sequence[BudgetBar], title: str = "Budget use per da
     )
     ax.set_title(title)
     return fig
+
+
+def _fit_texts(ax: Any, margin_px: float = 6.0) -> None:
+    """Widen the x axis until every text that starts inside it ends inside it (long
+    numbers right of a long bar ran off the figure)."""
+    for text in ax.texts:
+        text.set_in_layout(False)  # else the layout shrinks the axes around it instead
+    renderer = ax.figure.canvas.get_renderer()
+    ax.figure.canvas.draw()  # the layout, so the axes' width is the final one
+    width = ax.get_window_extent(renderer).width
+    right = ax.get_xlim()[1]
+    for text in ax.texts:
+        needed = text.get_window_extent(renderer).width + margin_px
+        if needed < width:  # (wider than the axes: no limit fits it)
+            right = max(right, text.get_position()[0] * width / (width - needed))
+    ax.set_xlim(0, right)
 
 
 def plot_budget_use(bars: Sequence[BudgetBar], path: str | Path, **kwargs: Any) -> None:
@@ -597,6 +637,18 @@ def _count(part: int, whole: int | None) -> str:
     return _fmt(part) + _share(part, whole)
 
 
+def cancelled_text(stats: Mapping[str, Any]) -> str:
+    """What conversations cancelled in flight cost, e.g. ``1,204 tokens in 12 requests
+    (300 estimated)``: part of the waste (stats written before it was counted: n/a)."""
+    if "abandoned_tokens" not in stats:
+        return "n/a (not counted when these stats were written)"
+    text = (
+        f"{_fmt(stats['abandoned_tokens'])} tokens in {_fmt(stats['abandoned_requests'])} requests"
+    )
+    estimated = stats.get("abandoned_tokens_estimated", 0)
+    return text + (f" ({_fmt(estimated)} estimated)" if estimated else "")
+
+
 def summary_rows(r: DatasetReport) -> list[tuple[str, str]]:
     """The numbers of one dataset's table, as (what, value) pairs."""
     st, tok, man = r.stats, r.tokenize_stats, r.manifest
@@ -622,6 +674,7 @@ def summary_rows(r: DatasetReport) -> list[tuple[str, str]]:
             _fmt(st["completion_tokens"]) + _share(st["completion_tokens"], budget),
         ),
         ("waste tokens", _fmt(st["waste_tokens"]) + _share(st["waste_tokens"], budget)),
+        ("of which cancelled in flight", cancelled_text(st)),
         ("stopped by", str(st.get("stop_reason"))),
         (
             "last turn cut (finish_reason length)",

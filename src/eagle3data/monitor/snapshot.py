@@ -8,7 +8,9 @@ results/.work/status). Per dataset:
   of its jobs has a live writer: :mod:`..liveness`; or a live process of this host is
   writing one of its shards), else ``done`` once every stage is, else ``stopped``;
 * ``stage``: the first stage a run would still do (:mod:`.stages`);
-* the budget prefix decided so far, the waste, why the prefix ends (``stop``);
+* the budget prefix decided so far, why the prefix ends (``stop``), the waste (every
+  token generated and not in the prefix), with the part of it that requests cancelled in
+  flight decoded (the journal's abandoned records: ``645 (119 cancelled)``);
 * the rate and ETA of the running job only (:mod:`.projection`);
 * the projection: where it ends under the current limits, and its basis;
 * shards and hidden-state bytes, against the same estimate the dry run prints;
@@ -64,7 +66,13 @@ class DatasetStatus:
     max_samples: int | None
     budget_used: float | None  # completion_tokens / token_budget
     generated_tokens: int  # everything journaled, used or not
-    waste_tokens: int
+    waste_tokens: int  # generated_tokens - completion_tokens
+    # Conversations cancelled in flight (abandoned records, the generate stats' keys of the
+    # same names): how many, what the engine had decoded for them (part of the waste) and
+    # the part of that estimated (no server said).
+    abandoned_requests: int
+    abandoned_tokens: int
+    abandoned_tokens_estimated: int
     tokens_per_s: float | None  # the running job's; None when stopped or idle
     eta_s: float | None  # of the running job
     projected_completion_tokens: int | None
@@ -126,9 +134,9 @@ def dataset_snapshot(
     rate = rate_basis = None
     if progress is not None and run is not None and not progress.selection.complete:
         if run.running(now):
-            rate, rate_basis = current_rate(progress.records, run, now), "this run"
+            rate, rate_basis = current_rate(progress.journal, run, now), "this run"
         else:
-            rate, rate_basis = last_run_rate(progress.records, run), "last run"
+            rate, rate_basis = last_run_rate(progress.journal, run), "last run"
     estimate = estimate_from(config, dataset, progress, per_token)
     projection = project(ds_cfg, progress, estimate, rate, rate_basis)
     this_run = rate_basis == "this run"
@@ -143,9 +151,15 @@ def dataset_snapshot(
 
     budget = ds_cfg.get("token_budget")
     done = completion = generated = failed = 0
+    abandoned = (0, 0, 0)
     if progress is not None:
         done, completion = progress.conversations, progress.completion_tokens
         generated, failed = progress.generated_tokens, progress.failed
+        abandoned = (
+            progress.abandoned_requests,
+            progress.abandoned_tokens,
+            progress.abandoned_tokens_estimated,
+        )
     decided = progress is not None and progress.selection.complete
     status = DatasetStatus(
         dataset=dataset,
@@ -163,6 +177,9 @@ def dataset_snapshot(
         budget_used=None if not budget else completion / budget,
         generated_tokens=generated,
         waste_tokens=generated - completion,
+        abandoned_requests=abandoned[0],
+        abandoned_tokens=abandoned[1],
+        abandoned_tokens_estimated=abandoned[2],
         tokens_per_s=rate if this_run else None,
         eta_s=projection.seconds if this_run else None,
         projected_completion_tokens=projection.completion_tokens,
@@ -274,6 +291,15 @@ def _about(n: int | None, basis: str) -> str:
     return "?" if n is None else f"{_ABOUT.get(basis, '')}{human_count(n)}"
 
 
+def waste_cell(r: DatasetStatus) -> str:
+    """The waste, and the part of it requests cancelled in flight decoded: ``645 (119
+    cancelled)``; ``~``: partly estimated (no server said)."""
+    if not r.abandoned_tokens:
+        return str(r.waste_tokens)
+    about = "~" if r.abandoned_tokens_estimated else ""
+    return f"{r.waste_tokens} ({about}{r.abandoned_tokens} cancelled)"
+
+
 def format_table(rows: Sequence[DatasetStatus]) -> str:
     header = (
         "dataset",
@@ -313,7 +339,7 @@ def format_table(rows: Sequence[DatasetStatus]) -> str:
                 tokens,
                 _about(r.projected_completion_tokens, r.projection_basis),
                 r.stop_reason or "-",
-                str(r.waste_tokens),
+                waste_cell(r),
                 "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.0f}",
                 duration(r.eta_s),
                 str(r.failed),

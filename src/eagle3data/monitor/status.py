@@ -2,8 +2,9 @@
 
 Run in the workflow directory (or point at it with ``-d``). Prints one row per dataset
 (:mod:`.snapshot`: state, stage, the budget prefix so far, the projected end, why it
-stops, waste, rate and ETA of a running job, shards and bytes), then where each
-dataset ends under its current limits and the basis of that. ``--budget DS=N`` and
+stops, waste (with what requests cancelled in flight decoded), rate and ETA of a running
+job, shards and bytes), then where each dataset ends under its current limits and the
+basis of that. ``--budget DS=N`` and
 ``--max-samples DS=N`` (repeatable; ``10M``, ``2.5k``, ``none``) show the same under other
 limits without editing any file (:mod:`.whatif`); ``--plot DIR`` draws the report's
 budget and throughput pictures from the journals as they are now; ``--json`` prints the
@@ -69,12 +70,18 @@ def plot(shots: Sequence[DatasetSnapshot], out_dir: Path) -> list[Path]:
         bars.append(
             BudgetBar(
                 r.dataset,
-                BudgetUse(r.completion_tokens, r.waste_tokens, r.token_budget),
+                BudgetUse(
+                    r.completion_tokens,
+                    r.waste_tokens,
+                    r.token_budget,
+                    r.abandoned_tokens,
+                    r.abandoned_tokens_estimated,
+                ),
                 r.stop_reason,
             )
         )
         if shot.progress is not None:
-            journal = shot.progress.records
+            journal = shot.progress.journal  # what the engine generated, cancelled too
             series.append(JournalSeries(r.dataset, journal, journal_note(journal)))
     return plot_live(bars, series, out_dir)
 

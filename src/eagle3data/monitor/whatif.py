@@ -6,7 +6,8 @@ config with the same code as the plain status. The prefix is selected from the j
 exactly as generation selects it, so where it is decided (the journal already holds
 it), its conversations, tokens and waste are what a re-run with the same change writes
 (``tests/workflow/test_midnight.py`` checks this against a real re-run); where it is
-not, the rest is projected like any other dataset's.
+not, the rest is projected like any other dataset's. Requests cancelled in flight
+(abandoned records) change no selection, theirs or a re-run's: their decode is waste.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 from ..config import validate_config
 from ..units import human_count, parse_count
+from .preview import cancelled_note
 from .snapshot import DatasetStatus, end_text, to_go_text
 
 Limit = Literal["token_budget", "max_samples"]
@@ -100,6 +102,7 @@ def whatif_lines(
         else:
             lines.append(f"    output so far: {tokens} (the rest is not decided yet)")
             wasted = f"{then.waste_tokens} of them outside the output so far"
+        wasted += cancelled_note(then.abandoned_tokens, then.abandoned_tokens_estimated)
         lines.append(f"    already generated: {then.generated_tokens} completion tokens, {wasted}")
         if then.tokens_to_generate == 0:
             only = "; the generate job only writes the output" if then.stage == "generate" else ""

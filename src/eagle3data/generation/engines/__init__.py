@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,6 +70,24 @@ class TurnFailure:
     # Completion tokens the server generated for the failed request (an answer cut by the
     # context and not kept): the run's waste, never its budget.
     spent_tokens: int = 0
+
+
+@dataclass
+class RequestTrace:
+    """What an HTTP engine tells the driver about a conversation's current request.
+
+    The driver sets one per conversation in :data:`CURRENT_REQUEST` (a task-local context
+    variable, so the engine's ``complete`` keeps its signature); the engine fills it in.
+    When the driver cancels the conversation, ``decoded_on_cancel`` is what the server said
+    the cancelled request had decoded (SGLang's answer to an abort), or None when no server
+    said (the driver then estimates it)."""
+
+    endpoint: str | None = None  # where the current request went
+    sent_at: float | None = None  # time.monotonic() when it was sent; None: not sent
+    decoded_on_cancel: int | None = None
+
+
+CURRENT_REQUEST: ContextVar[RequestTrace | None] = ContextVar("current_request", default=None)
 
 
 class Engine(Protocol):

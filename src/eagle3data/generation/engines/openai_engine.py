@@ -58,6 +58,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,11 +73,23 @@ from tenacity import (
 
 from ...errors import EngineUnavailable
 from ...hidden_states.vllm_files import discard_states
-from . import OVER_CONTEXT, Completion, Message, Tools, TransientError, TurnFailure
+from . import (
+    CURRENT_REQUEST,
+    OVER_CONTEXT,
+    Completion,
+    Message,
+    RequestTrace,
+    Tools,
+    TransientError,
+    TurnFailure,
+)
+from .server_queue import QueueGauge, ServerQueue, gauge_for
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+ABORT_TIMEOUT_S = 10.0  # for SGLang to take an abort and answer the aborted request
+QUEUE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)  # a queue gauge late by more is stale
 TOKEN_IDS_FIELD = "return_token_ids"
 # How servers say a request does not fit the context: SGLang "longer than the model's
 # context length" / "maximum context length", vLLM "maximum context length", llama.cpp
@@ -110,6 +123,8 @@ class _Endpoint:
     paused_until: float = 0.0
     max_model_len: int | None = None  # its /models entry's, when it reports one
     token_ids: bool = True  # False once it refused return_token_ids or sent odd ids
+    abortable: bool = False  # SGLang: requests carry a rid and are aborted by it
+    queue_gauge: QueueGauge | None = None  # where it reports its running and waiting requests
 
 
 class EndpointPool:
@@ -288,11 +303,23 @@ def _int_list(name: str, value: Any) -> list[int]:
     return value
 
 
+# A refusal of the field itself: the field named next to words that refuse an argument.
+# Naming it alone is not enough: vLLM's 400 for an unrelated validation error echoes the
+# whole request (``'input': {..., 'return_token_ids': True, ...}``).
+_REFUSAL = r"(unrecogni[sz]ed|unknown|unexpected|extra|not permitted|not allowed|unsupported)"
+_REFUSES_IDS = re.compile(
+    rf"{_REFUSAL}[^.]{{0,80}}{TOKEN_IDS_FIELD}|{TOKEN_IDS_FIELD}[^.]{{0,80}}{_REFUSAL}",
+    re.IGNORECASE,
+)
+
+
 def refuses_token_ids(body: Mapping[str, Any], status: int, message: str) -> bool:
     """Whether a 4xx answer refused ``return_token_ids`` itself: the request carried it
-    and the error names it (OpenAI's "Unrecognized request argument supplied", a strict
-    server's "extra fields not permitted" with the field's name)."""
-    return TOKEN_IDS_FIELD in body and 400 <= status < 500 and TOKEN_IDS_FIELD in message
+    and the error refuses it by name (OpenAI's "Unrecognized request argument supplied:
+    return_token_ids", a strict server's "extra inputs are not permitted" at the field)."""
+    return (
+        TOKEN_IDS_FIELD in body and 400 <= status < 500 and _REFUSES_IDS.search(message) is not None
+    )
 
 
 def failure_kind(message: str) -> str | None:
@@ -300,17 +327,28 @@ def failure_kind(message: str) -> str | None:
     return OVER_CONTEXT if _OVER_CONTEXT_MESSAGE.search(message) else None
 
 
-def models_context(payload: Any, model: str) -> int | None:
-    """``max_model_len`` of ``model``'s entry in a ``/models`` answer (of its only entry
-    when none has that id), or None when it reports none."""
+def models_entry(payload: Any, model: str) -> Mapping[str, Any]:
+    """``model``'s entry in a ``/models`` answer (its only entry when none has that id), or
+    an empty mapping."""
     entries = payload.get("data") if isinstance(payload, dict) else None
     if not isinstance(entries, list):
-        return None
+        return {}
     entries = [e for e in entries if isinstance(e, dict)]
     named = [e for e in entries if e.get("id") == model]
     chosen = named or (entries if len(entries) == 1 else [])
-    value = chosen[0].get("max_model_len") if chosen else None
+    return chosen[0] if chosen else {}
+
+
+def models_context(payload: Any, model: str) -> int | None:
+    """``max_model_len`` of ``model``'s ``/models`` entry, or None when it reports none."""
+    value = models_entry(payload, model).get("max_model_len")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def aborts_by_rid(payload: Any, model: str) -> bool:
+    """Whether the server is SGLang (its ``/models`` entry is ``owned_by: "sglang"``), which
+    takes a request id (``rid``) and aborts that request on ``POST /abort_request``."""
+    return models_entry(payload, model).get("owned_by") == "sglang"
 
 
 def error_message(payload: Any, text: str) -> str:
@@ -366,6 +404,41 @@ class OpenAIEngine:
         that refused ``return_token_ids`` or sent ids in a shape we do not know."""
         return {"token_ids_fallbacks": self.token_ids_fallbacks}
 
+    @property
+    def reports_queues(self) -> bool:
+        """Whether some endpoint reports its running and waiting requests."""
+        return any(e.queue_gauge is not None for e in self.pool.endpoints)
+
+    async def server_queues(self) -> dict[str, ServerQueue]:
+        """Each endpoint's queue as its own gauge says now (endpoints that report one and
+        answered in time; :mod:`.server_queue`), by endpoint URL."""
+        assert self._session is not None, "call start() first"
+        asking = [e for e in self.pool.endpoints if e.queue_gauge is not None]
+        answers = await asyncio.gather(*(self._server_queue(e) for e in asking))
+        return {e.url: q for e, q in zip(asking, answers, strict=True) if q is not None}
+
+    async def _server_queue(self, endpoint: _Endpoint) -> ServerQueue | None:
+        assert self._session is not None and endpoint.queue_gauge is not None
+        url = _server_root(endpoint.url) + endpoint.queue_gauge.route
+        try:
+            async with self._session.get(url, timeout=QUEUE_TIMEOUT) as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.debug("queue of %s: %s", endpoint.url, exc)
+            return None
+        queue = endpoint.queue_gauge.parse(text) if resp.status == 200 else None
+        if queue is None:
+            # Not what the server's version sends: plan without it from now on.
+            log.warning(
+                "%s: GET %s answered HTTP %d without the queue gauges we read; planning "
+                "without its queue from now on",
+                endpoint.url,
+                url,
+                resp.status,
+            )
+            endpoint.queue_gauge = None
+        return queue
+
     def _fall_back_to_text(self, endpoint: _Endpoint, why: str) -> None:
         """Ask ``endpoint`` without ``return_token_ids`` from now on; warn once."""
         if not endpoint.token_ids:
@@ -411,6 +484,9 @@ class OpenAIEngine:
                     if resp.status == 200:
                         payload = json_or_none(text)
                         endpoint.max_model_len = models_context(payload, self.settings.model)
+                        endpoint.abortable = aborts_by_rid(payload, self.settings.model)
+                        owner = models_entry(payload, self.settings.model).get("owned_by")
+                        endpoint.queue_gauge = gauge_for(owner)
                         continue
                     problems.append(f"GET {url} -> HTTP {resp.status}: {text[:200]}")
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -453,13 +529,18 @@ class OpenAIEngine:
 
     async def _post(self, body: dict[str, Any]) -> Completion | TurnFailure:
         assert self._session is not None, "call start() first"
+        trace = CURRENT_REQUEST.get()
         endpoint = await self.pool.acquire()
         healthy: bool | None = False
         try:
             url = f"{endpoint.url}/chat/completions"
             while True:  # twice at most: again in text when the endpoint refused the ids
                 sent = body if endpoint.token_ids else _without_token_ids(body)
-                status, text = await self._send(url, sent)
+                if endpoint.abortable:
+                    sent = {**sent, "rid": f"eagle3data-{uuid.uuid4().hex}"}
+                if trace is not None:
+                    trace.endpoint, trace.sent_at = endpoint.url, time.monotonic()
+                status, text = await self._send_cancellable(endpoint, url, sent, trace)
                 payload = json_or_none(text)
                 if status in RETRY_STATUS:
                     raise TransientError(f"{url}: HTTP {status}: {error_message(payload, text)}")
@@ -481,6 +562,33 @@ class OpenAIEngine:
         finally:
             await self.pool.release(endpoint, healthy=healthy)
 
+    async def _send_cancellable(
+        self, endpoint: _Endpoint, url: str, body: Mapping[str, Any], trace: RequestTrace | None
+    ) -> tuple[int, str]:
+        """:meth:`_send`, cancelled the way the server frees the request soonest.
+
+        Cancelling the caller closes the connection, which vLLM notices at once. SGLang
+        notices a closed connection of a non-streaming request only every 4 s
+        (``SGLANG_REQUEST_STATE_WAIT_TIMEOUT``) and decodes on meanwhile, so a request to
+        SGLang is aborted by its ``rid`` instead (queued requests leave the queue, running
+        ones stop at the next step), and its answer, which SGLang then sends at once, says
+        how many tokens it had decoded: :attr:`RequestTrace.decoded_on_cancel` (a request
+        that finished before the abort arrived answers as usual: its usage counts the same)."""
+        sending = asyncio.ensure_future(self._send(url, body))
+        try:
+            return await asyncio.shield(sending)
+        except asyncio.CancelledError:
+            rid = body.get("rid")
+            if not endpoint.abortable or not isinstance(rid, str):
+                sending.cancel()  # closes the connection
+                await asyncio.gather(sending, return_exceptions=True)
+                raise
+            # Shielded: the driver waits for the cancelled tasks, and this is short.
+            decoded = await asyncio.shield(self._abort(endpoint, rid, sending))
+            if trace is not None:
+                trace.decoded_on_cancel = decoded
+            raise
+
     async def _send(self, url: str, body: Mapping[str, Any]) -> tuple[int, str]:
         """POST ``body``: the status and the text of the answer."""
         assert self._session is not None, "call start() first"
@@ -489,6 +597,29 @@ class OpenAIEngine:
                 return resp.status, await resp.text()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise TransientError(f"{url}: {type(exc).__name__}: {exc}") from exc
+
+    async def _abort(
+        self, endpoint: _Endpoint, rid: str, sending: asyncio.Future[tuple[int, str]]
+    ) -> int | None:
+        """Abort ``rid`` on SGLang and read what its answer says it decoded; None when the
+        server did not say (the abort or the answer failed, or took too long)."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
+        try:
+            async with self._session.post(
+                f"{_server_root(endpoint.url)}/abort_request", json={"rid": rid}, timeout=timeout
+            ) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(
+                        resp.request_info, (), status=resp.status, message="abort refused"
+                    )
+            status, text = await asyncio.wait_for(asyncio.shield(sending), ABORT_TIMEOUT_S)
+        except (aiohttp.ClientError, TimeoutError, TransientError) as exc:
+            log.debug("abort of %s on %s: %s", rid, endpoint.url, exc)
+            sending.cancel()
+            return None
+        return aborted_decode(status, json_or_none(text))
 
     def _completion(self, payload: dict[str, Any], endpoint: _Endpoint) -> Completion | TurnFailure:
         url = f"{endpoint.url}/chat/completions"
@@ -557,6 +688,24 @@ def cut_by_context(completion: Completion, context: int | None, max_tokens: int)
         f"{completion.completion_tokens} of max_tokens {max_tokens} in the server's "
         f"max_model_len {context} (it cut the answer there)"
     )
+
+
+def aborted_decode(status: int, payload: Any) -> int | None:
+    """What an aborted request's answer says it decoded: SGLang answers a request aborted
+    by its rid with ``finish_reason: "abort"`` and its usage so far (one that finished first
+    answers as usual, its usage all the same). None when the answer says nothing."""
+    if status != 200 or not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
+        return tokens
+    return None
+
+
+def _server_root(url: str) -> str:
+    """``http://host:port`` of an OpenAI base URL (``.../v1``): where SGLang's own routes are."""
+    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 def _without_token_ids(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,124 @@
+"""How many requests a server runs and how many wait in its queue, from its own gauges.
+
+An operator keeps an SGLang or vLLM server full by sending more requests than it has decode
+slots; the rest wait in the server's queue. Near the end of a budget the driver needs to
+know which of its requests have started decoding (their tokens are spent) and which still
+wait (cancelling them costs nothing): :func:`queued_positions`. Both servers schedule
+first come, first served by default (SGLang ``--schedule-policy fcfs``, vLLM's FCFS), so of
+one client's requests on one server the newest ``waiting`` ones are those still queued.
+
+Where the gauges are:
+
+* SGLang 0.5.23: ``GET /v1/loads?include=core``, per data-parallel rank ``num_running_reqs``
+  and ``num_waiting_reqs`` (no ``--enable-metrics`` needed);
+* vLLM 0.32: ``GET /metrics`` (Prometheus text, always on), ``vllm:num_requests_running``
+  and ``vllm:num_requests_waiting``, one sample per engine.
+
+Other servers (llama.cpp) report none: the driver then plans without them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class ServerQueue:
+    running: int  # requests decoding now (all clients')
+    waiting: int  # requests in the server's queue, not started
+
+
+class QueueGauge(Protocol):
+    route: str  # path under the server's root (not under /v1)
+
+    def parse(self, text: str) -> ServerQueue | None: ...
+
+
+class SGLangLoads:
+    """SGLang's ``/v1/loads`` JSON, summed over data-parallel ranks."""
+
+    route = "/v1/loads?include=core"
+
+    def parse(self, text: str) -> ServerQueue | None:
+        try:
+            loads = json.loads(text)["loads"]
+            running = sum(int(load["num_running_reqs"]) for load in loads)
+            waiting = sum(int(load["num_waiting_reqs"]) for load in loads)
+        except (ValueError, KeyError, TypeError):
+            return None
+        return ServerQueue(running, waiting)
+
+
+# One sample line of the Prometheus text format: name, optional {labels}, value. Two gauges
+# are all we read; a parser library (prometheus_client) would be a new pinned dependency
+# for these two lines.
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)")
+
+
+class VLLMMetrics:
+    """vLLM's Prometheus ``/metrics``, summed over engines."""
+
+    route = "/metrics"
+
+    def parse(self, text: str) -> ServerQueue | None:
+        totals = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+        seen = set()
+        for line in text.splitlines():
+            match = _SAMPLE.match(line)
+            if match is None or match["name"] not in totals:
+                continue
+            try:
+                totals[match["name"]] += float(match["value"])
+            except ValueError:
+                return None
+            seen.add(match["name"])
+        if len(seen) < len(totals):
+            return None
+        return ServerQueue(
+            round(totals["vllm:num_requests_running"]), round(totals["vllm:num_requests_waiting"])
+        )
+
+
+def gauge_for(owned_by: Any) -> QueueGauge | None:
+    """The queue gauge of a server, by its ``/models`` entry's ``owned_by``."""
+    if owned_by == "sglang":
+        return SGLangLoads()
+    if owned_by == "vllm":
+        return VLLMMetrics()
+    return None
+
+
+@dataclass(frozen=True)
+class SentRequest:
+    """One of this client's requests in flight: its conversation's position, where it went
+    and when (None: not sent yet, waiting for a free slot of ours)."""
+
+    pos: int
+    endpoint: str | None
+    sent_at: float | None
+
+
+def queued_positions(
+    requests: Iterable[SentRequest], queues: Mapping[str, ServerQueue]
+) -> set[int]:
+    """Positions whose request has not started decoding: not sent yet, or among the newest
+    ``waiting`` of this client's requests on a server that reported its queue (first come,
+    first served). Requests to a server that reported nothing count as started."""
+    queued = set()
+    by_endpoint: dict[str, list[SentRequest]] = {}
+    for request in requests:
+        if request.endpoint is None or request.sent_at is None:
+            queued.add(request.pos)
+        else:
+            by_endpoint.setdefault(request.endpoint, []).append(request)
+    for endpoint, sent in by_endpoint.items():
+        queue = queues.get(endpoint)
+        if queue is None or queue.waiting <= 0:
+            continue
+        sent.sort(key=lambda r: r.sent_at or 0.0)
+        queued.update(r.pos for r in sent[-queue.waiting :])
+    return queued

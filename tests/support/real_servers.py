@@ -475,13 +475,16 @@ def check_budget_run(
     # (The servers run the requests in arrival order, which is nearly dispatch order: the
     # third answer is normally among the first they run.)
     assert 3 <= journaled < BUDGET_PROMPTS, seen
-    assert stats["generated_tokens_total"] == journaled * max_tokens, seen
-    assert stats["waste_tokens"] == (journaled - 2) * max_tokens, seen
+    # What the cancelled requests had decoded (abandoned records) is generated and wasted.
+    abandoned = stats["abandoned_tokens"]
+    assert stats["generated_tokens_total"] == journaled * max_tokens + abandoned, seen
+    assert stats["waste_tokens"] == (journaled - 2) * max_tokens + abandoned, seen
     log = job_log(wf, "A1")
     [cancelled] = re.findall(r"A1: cancelled (\d+) requests in flight", log) or [None]
     assert cancelled is not None and int(cancelled) == BUDGET_PROMPTS - journaled, (
         f"{seen}\n{log[-3000:]}"
     )
+    assert stats["abandoned_requests"] == int(cancelled), seen
     return rows, journaled, int(cancelled)
 
 

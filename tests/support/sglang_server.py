@@ -27,14 +27,17 @@ Start-up and stop
   otherwise); then ``/metrics`` has ``sglang:num_requests_total`` (every request, aborted
   ones included), ``sglang:num_aborted_requests_total`` (counted when the tokenizer
   manager sends the abort, only for a request it still holds, i.e. not finished: code) and
-  ``sglang:generation_tokens_total`` (an aborted request's tokens only when its abort
-  output arrives while its state still exists: seen once, not another time; no measure of
-  what aborted requests decoded).
+  ``sglang:generation_tokens_total`` (counted when a request leaves, finished or aborted,
+  its decoded tokens included: ``tests/sglang/test_abort.py``; it does not move while a
+  request decodes). The running/waiting gauges of ``/metrics`` lag by seconds (they follow
+  the scheduler's stats log); ``/v1/loads?include=core`` is current.
 * ``--log-requests --log-requests-level 0`` logs one ``Receive: obj=GenerateReqInput(rid=...``
   line per request and one ``Finish: ... out={'meta_info': {... 'finish_reason': {'type':
-  ...}, ... 'completion_tokens': N ...`` line per request that finished; an aborted request
-  gets no ``Finish`` line and no other line at that level (:meth:`SGLangServer.requests_since`),
-  nor does one refused after it arrived (the context-length 400s). The 400s for a malformed
+  ...}, ... 'completion_tokens': N ...`` line per request that finished, and per request
+  aborted by its rid (``POST /abort_request``: type ``abort``, the tokens it had decoded, 0
+  for one still queued); a request dropped because its client hung up gets no ``Finish``
+  line and no other line at that level (:meth:`SGLangServer.requests_since`), nor does one
+  refused after it arrived (the context-length 400s). The 400s for a malformed
   body come before, with no ``Receive`` line either.
 * ``--tool-call-parser qwen25`` is deprecated for ``qwen`` (same parser).
 
@@ -101,8 +104,10 @@ Cancellation
   abort (running, or still queued) (code): up to that long of decoding is wasted per
   request (seen once with the default, by /metrics: 3 requests dropped 6 s into
   300-token answers had decoded ~286 tokens each when aborted). The tests set 1 s.
-  [T: every request our client dropped, decoding or waiting, at a reached budget or at a
-  SIGKILL of the job, is counted in ``num_aborted_requests_total`` and never finishes]
+  Our engine aborts what it cancels by rid instead (``POST /abort_request``), at once:
+  [T: every request our client dropped at a reached budget is aborted, running or waiting,
+  and the tokens its Finish lines give are what the stats count as generated; at a SIGKILL
+  of the job the requests are counted in ``num_aborted_requests_total`` and never finish]
 * Greedy output did not depend on the batch: 8 prompts alone, 8 at once and 8 at once in
   the reverse order gave the same tokens (64 each). [T: an interrupted run resumed equals an
   uninterrupted one]

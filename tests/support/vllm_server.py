@@ -29,7 +29,9 @@ Start-up and stop
   bound to one CPU: 105-132 tokens/s for one request, 320-490 for 4 decoded together.
 * ``/metrics`` is on without a flag: ``vllm:request_success_total{finished_reason=stop|
   length|abort|error|repetition}``, ``vllm:num_requests_running`` and ``_waiting``,
-  ``vllm:generation_tokens_total``. A request aborted because its client hung up is NOT
+  ``vllm:generation_tokens_total`` (moves at every decode step; a request whose client hung
+  up stops decoding at once and its tokens stay counted: ``tests/vllm/test_vllm_abort.py``).
+  A request aborted because its client hung up is NOT
   counted in ``request_success_total`` at all [T: ``finished == {"length": journaled}``]:
   ``AsyncLLM.abort`` drops the request's state before the engine reports the abort (code).
 * ``--enable-log-requests`` logs ``Received request chatcmpl-<hex>: params:

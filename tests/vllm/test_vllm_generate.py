@@ -376,6 +376,9 @@ def test_reasoning_budget_batching_and_cancelled_requests(
         assert journaled <= ran, seen
         assert 1 <= len(log.aborted) <= cancelled and set(log.aborted) <= set(log.received), seen
         assert server.in_engine() == 0
+        # vLLM says nothing of what a dropped request had decoded: estimated, and marked.
+        stats = wf.stats("A1")
+        assert stats["abandoned_tokens_estimated"] == stats["abandoned_tokens"], stats
     print(f"\n{peak[0]} decoded at once; cancelled {cancelled}, aborted {len(log.aborted)}")
 
 

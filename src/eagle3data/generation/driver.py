@@ -121,12 +121,6 @@ def _outcome(record: Mapping[str, Any]) -> Outcome:
     return Outcome(counted_tokens(record), failed=is_failed(record))
 
 
-def load_records(job: GenerationJob) -> dict[str, JournalRecord]:
-    """Journal records of the current prompts (same id and same prompt text): the first
-    outcome (ok or failed) of each."""
-    return load_journal(job)[0]
-
-
 def load_journal(job: GenerationJob) -> tuple[dict[str, JournalRecord], list[AbandonedRecord]]:
     """The first outcome of each current prompt, and every abandoned record of the current
     prompts (what cancelled requests decoded: waste, never an outcome)."""
@@ -448,6 +442,8 @@ class _Run:
         self.by_id = {p.id: p for p in job.prompts}
         self.limits = {"token_budget": job.token_budget, "max_samples": job.max_samples}
         self.records, self.abandoned = load_journal(job)
+        # Their decode, kept current by abandon(): every commit's progress line reads it.
+        self.abandoned_tokens = sum(spent_tokens(r) for r in self.abandoned)
         self.resumed = len(self.records)
         self.outcomes = {pid: _outcome(r) for pid, r in self.records.items()}
         total = (
@@ -537,10 +533,6 @@ class _Run:
         self.sel = select_prefix(self.order, self.outcomes, **self.limits, resume_from=self.sel)
         self.progress.update(self.sel, self.records, abandoned_tokens=self.abandoned_tokens)
 
-    @property
-    def abandoned_tokens(self) -> int:
-        return sum(spent_tokens(r) for r in self.abandoned)
-
     def abandon(self, new: list[AbandonedRecord]) -> None:
         """Journal what cancelled conversations decoded (nothing of it is kept)."""
         finished_at = round(time.time(), 3)
@@ -548,6 +540,7 @@ class _Run:
             rec["finished_at"] = finished_at
         self.journal.append_many(new)  # type: ignore[arg-type]
         self.abandoned.extend(new)
+        self.abandoned_tokens += sum(spent_tokens(r) for r in new)
         self.progress.cancelled += len(new)
 
 
@@ -678,13 +671,13 @@ async def _cancel(
     for task in flights:
         task.cancel()
     await asyncio.gather(*flights, return_exceptions=True)
-    ended = [t for t in flights if not t.cancelled() and t.exception() is None]
-    finished = [t.result() for t in ended]
+    ended = {t: t.result() for t in flights if not t.cancelled() and t.exception() is None}
+    finished = list(ended.values())
     cancelled = [flight for t, flight in flights.items() if t not in ended]
     for flight in cancelled:
         run.clock.dropped(flight.pos)
-    for task in ended:
-        run.clock.finished(flights[task].pos, spent_tokens(task.result()))
+    for task, record in ended.items():
+        run.clock.finished(flights[task].pos, spent_tokens(record))
     with stop_deferred():
         abandoned = _abandoned(run, cancelled, queued=queued)
         run.abandon(abandoned)

@@ -345,12 +345,6 @@ def models_context(payload: Any, model: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def aborts_by_rid(payload: Any, model: str) -> bool:
-    """Whether the server is SGLang (its ``/models`` entry is ``owned_by: "sglang"``), which
-    takes a request id (``rid``) and aborts that request on ``POST /abort_request``."""
-    return models_entry(payload, model).get("owned_by") == "sglang"
-
-
 def error_message(payload: Any, text: str) -> str:
     """The message of an error body: OpenAI's, vLLM's and llama.cpp's ``{"error": {"message":
     ...}}``, SGLang's flat ``{"object": "error", "message": ...}``, SGLang's auth failures
@@ -484,8 +478,9 @@ class OpenAIEngine:
                     if resp.status == 200:
                         payload = json_or_none(text)
                         endpoint.max_model_len = models_context(payload, self.settings.model)
-                        endpoint.abortable = aborts_by_rid(payload, self.settings.model)
                         owner = models_entry(payload, self.settings.model).get("owned_by")
+                        # SGLang takes a request id (rid) and aborts it on /abort_request.
+                        endpoint.abortable = owner == "sglang"
                         endpoint.queue_gauge = gauge_for(owner)
                         continue
                     problems.append(f"GET {url} -> HTTP {resp.status}: {text[:200]}")
@@ -705,7 +700,7 @@ def aborted_decode(status: int, payload: Any) -> int | None:
 
 def _server_root(url: str) -> str:
     """``http://host:port`` of an OpenAI base URL (``.../v1``): where SGLang's own routes are."""
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+    return url.removesuffix("/v1")
 
 
 def _without_token_ids(body: Mapping[str, Any]) -> dict[str, Any]:

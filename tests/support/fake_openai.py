@@ -797,7 +797,11 @@ class FakeOpenAI:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _json_object(self, request: web.Request) -> dict[str, Any] | web.Response:
-        """The request's JSON object body, or the 400 a server answers for anything else."""
+        """The request's JSON object body, or what the server answers instead: 401 without
+        the API key, 400 for a body that is not a JSON object."""
+        denied = self._unauthorized(request)
+        if denied is not None:
+            return denied
         try:
             body = await request.json()
         except ValueError as exc:
@@ -810,9 +814,6 @@ class FakeOpenAI:
         """SGLang's ``POST /abort_request {"rid"}``: the request leaves the queue, or stops
         decoding, at once, and answers (``finish_reason: "abort"``, its usage so far).
         An unknown rid is ignored; the answer is an empty 200 either way, as SGLang's."""
-        denied = self._unauthorized(request)
-        if denied is not None:
-            return denied
         body = await self._json_object(request)
         if isinstance(body, web.Response):
             return body
@@ -927,9 +928,6 @@ class FakeOpenAI:
         return response
 
     async def _chat_inner(self, request: web.Request) -> web.StreamResponse:
-        denied = self._unauthorized(request)
-        if denied is not None:
-            return denied
         body = await self._json_object(request)
         if isinstance(body, web.Response):
             return body

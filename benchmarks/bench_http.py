@@ -10,6 +10,7 @@ decodes, cancelled work included (its ``/stats``).
     .venv/bin/python benchmarks/bench_http.py                 # prints a markdown table
     .venv/bin/python benchmarks/bench_http.py --concurrency 64 512 --slots 64 --tokens-per-s 200
     .venv/bin/python benchmarks/bench_http.py --lengths lognormal maxshare --policy queue tail
+    .venv/bin/python benchmarks/bench_http.py --lengths lognormal maxshare --seeds 3
 
 Completion lengths (``--lengths``, a hash of the prompt picks each one), with mean M:
 - normal: M +- M/4, uniform (max_tokens 100,000: never reached);
@@ -20,6 +21,9 @@ Policies (``--policy``), all in the same run for a before/after comparison:
 - ``queue`` (today): the tail plan, following the server's queue through its gauge
   (``/v1/loads``): near the end, requests still waiting that the prefix will likely not need
   are aborted before they decode; cancelled requests are aborted by their rid;
+- ``admit60``: ``queue`` as it was first built: a request admitted near the end when the
+  prefix needs it with P >= 60% (``queue``: 80%), nothing cancelled while running before
+  the prefix is decided (``queue``: those it will almost surely not need);
 - ``tail``: the tail plan blind to the server's queue, cancelling by closing connections
   (the dispatch before the server's queue was followed);
 - ``mean``: the dispatch before tail-aware planning (running mean throughout).
@@ -55,6 +59,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
+from eagle3data.generation import budget as budget_rules  # noqa: E402
 from eagle3data.generation import driver  # noqa: E402
 from eagle3data.generation.driver import GenerationJob, Prompt, run_generation  # noqa: E402
 from eagle3data.generation.engines.openai_engine import HttpSettings, OpenAIEngine  # noqa: E402
@@ -174,12 +179,18 @@ def _ratio_before_drain(stats: dict, capacity: float, drain_start: float, wall: 
     return (stats["completion_tokens"] - drain * capacity) / capacity / max(drain_start, 1e-9)
 
 
-def run_once(url: str, concurrency: int, lengths: str, policy: str, args) -> dict:
+def prompt_text(i: int, seed: int) -> str:
+    """The i-th prompt of a run; its hash is its completion's length, so each seed is
+    another sequence of lengths (seed 0: the texts of the first version)."""
+    return f"benchmark prompt {i}" if seed == 0 else f"benchmark prompt {seed}.{i}"
+
+
+def run_once(url: str, concurrency: int, lengths: str, policy: str, seed: int, args) -> dict:
     budget = args.budget_factor * args.mean_tokens
     n_prompts = int(budget / args.mean_tokens * 1.5) + concurrency
     prompts = []
     for i in range(n_prompts):
-        messages = [{"role": "user", "content": f"benchmark prompt {i}"}]
+        messages = [{"role": "user", "content": prompt_text(i, seed)}]
         prompts.append(Prompt(f"b{i:06d}", prompt_hash(messages), messages))
     server_call(url, "/stats/reset", "POST")
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,17 +207,21 @@ def run_once(url: str, concurrency: int, lengths: str, policy: str, args) -> dic
         stopped_at: list[float] = []
 
         def factory() -> OpenAIEngine:
-            return _DispatchClock(settings, job.sampling, stopped_at, blind=policy != "queue")
+            return _DispatchClock(
+                settings, job.sampling, stopped_at, blind=policy in ("tail", "mean")
+            )
 
-        saved = driver._MIN_FIT
+        saved = driver._MIN_FIT, budget_rules.Z_LIKELY, budget_rules.Z_ABANDON
         if policy == "mean":  # the dispatch before tail-aware planning
             driver._MIN_FIT = 10**9
+        if policy in ("admit60", "tail"):
+            budget_rules.Z_LIKELY, budget_rules.Z_ABANDON = 0.25, -math.inf
         try:
             cpu0, t0 = time.process_time(), time.perf_counter()
             result = run_generation(job, factory, streaming=True)
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         finally:
-            driver._MIN_FIT = saved
+            driver._MIN_FIT, budget_rules.Z_LIKELY, budget_rules.Z_ABANDON = saved
     stats = _settled_stats(url, args.disconnect_check_s + 2.0)
     capacity = args.slots * args.tokens_per_s
     drain_start = stopped_at[0] - t0 if stopped_at else wall
@@ -267,7 +282,9 @@ class _DispatchClock(OpenAIEngine):
         return await super().complete(messages)
 
 
-async def _minimal_client(url: str, concurrency: int, n: int, limit: int) -> tuple[int, float]:
+async def _minimal_client(
+    url: str, concurrency: int, n: int, limit: int, seed: int
+) -> tuple[int, float]:
     """The reference: one aiohttp session, a semaphore, no budget logic at all."""
     import aiohttp
 
@@ -278,7 +295,7 @@ async def _minimal_client(url: str, concurrency: int, n: int, limit: int) -> tup
         nonlocal tokens
         body = {
             "model": "bench",
-            "messages": [{"role": "user", "content": f"benchmark prompt {i}"}],
+            "messages": [{"role": "user", "content": prompt_text(i, seed)}],
             "max_tokens": limit,
             "temperature": 0.0,
         }
@@ -293,10 +310,10 @@ async def _minimal_client(url: str, concurrency: int, n: int, limit: int) -> tup
         return tokens, time.perf_counter() - t0
 
 
-def run_minimal(url: str, concurrency: int, n: int, lengths: str, args) -> float:
+def run_minimal(url: str, concurrency: int, n: int, lengths: str, seed: int, args) -> float:
     server_call(url, "/stats/reset", "POST")
     limit = max_tokens(lengths, args.mean_tokens)
-    tokens, wall = asyncio.run(_minimal_client(url, concurrency, n, limit))
+    tokens, wall = asyncio.run(_minimal_client(url, concurrency, n, limit, seed))
     return tokens / wall / (args.slots * args.tokens_per_s)
 
 
@@ -305,13 +322,23 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--lengths", nargs="+", choices=LENGTHS, default=list(LENGTHS))
     parser.add_argument(
-        "--policy", nargs="+", choices=["queue", "tail", "mean"], default=["queue", "tail"]
+        "--policy",
+        nargs="+",
+        choices=["queue", "admit60", "tail", "mean"],
+        default=["queue", "admit60", "tail"],
     )
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--tokens-per-s", type=float, default=200.0)
     parser.add_argument("--mean-tokens", type=int, default=200)
     parser.add_argument("--budget-factor", type=int, default=1000)
     parser.add_argument("--disconnect-check-s", type=float, default=4.0)
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="runs per row, each on another sequence of lengths: a row gives their means "
+        "(waste: and the range); the minimal client runs on the first",
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -324,8 +351,11 @@ def main() -> None:
         try:
             for c in args.concurrency:
                 for policy in args.policy:
-                    row = run_once(url, c, lengths, policy, args)
-                    row["minimal_ratio"] = run_minimal(url, c, row["requests"], lengths, args)
+                    runs = [run_once(url, c, lengths, policy, s, args) for s in range(args.seeds)]
+                    row = _mean_row(runs)
+                    first = runs[0]
+                    minimal = run_minimal(url, c, first["requests"], lengths, 0, args)
+                    row["ours_per_minimal"] = first["ratio"] / minimal
                     rows.append(row)
         finally:
             proc.terminate()
@@ -350,13 +380,29 @@ def main() -> None:
     for r in rows:
         same = base.get((r["lengths"], r["policy"]))
         relative = f"{r['tokens_per_s'] / same:.3f}" if same else "-"
+        spread = r["engine_waste_range"]
+        waste = f"{r['engine_waste_pct']:.2f}"
+        if args.seeds > 1:
+            waste += f" ({spread[0]:.2f}-{spread[1]:.2f})"
         print(
             f"| {r['lengths']} | {r['policy']} | {r['concurrency']} | {r['wall_s']:.1f} | "
-            f"{relative} | {r['ratio'] / r['minimal_ratio']:.3f} | "
-            f"{r['engine_waste_pct']:.2f} | {r['waste_pct']:.2f} ({r['estimated_pct']:.2f}) | "
-            f"{r['cancelled']} ({r['cancelled_before_decode']}) | "
+            f"{relative} | {r['ours_per_minimal']:.3f} | "
+            f"{waste} | {r['waste_pct']:.2f} ({r['estimated_pct']:.2f}) | "
+            f"{r['cancelled']:.0f} ({r['cancelled_before_decode']:.0f}) | "
             f"{r['cpu_ms_per_request']:.2f} | {'YES' if r['over_budget'] else 'no'} |"
         )
+
+
+def _mean_row(runs: list[dict]) -> dict:
+    """The runs of one row: numbers averaged, the engine waste's range, over budget if any."""
+    row = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float | int) and not isinstance(value, bool) and key != "budget":
+            row[key] = statistics.mean(r[key] for r in runs)
+    waste = [r["engine_waste_pct"] for r in runs]
+    row["engine_waste_range"] = (min(waste), max(waste))
+    row["over_budget"] = any(r["over_budget"] for r in runs)
+    return row
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def plan_dispatch(
 # observed distribution *given how far each request has got*, with the requests in flight
 # counted as censored observations (Kaplan-Meier), and the sum is judged with its variance.
 
-Z_LIKELY = 0.25  # admit when P(needed) >= 60%
+Z_LIKELY = 0.84  # admit when P(needed) >= 80%
 Z_HOPELESS = -2.5  # never admit when P(needed) < 0.6%
 
 
@@ -332,6 +332,57 @@ def plan_dispatch_tail(
         if len(batch) >= limit:
             break
     return batch
+
+
+Z_ABANDON = -5.0  # cancel a request in flight when P(needed) < 3e-7
+
+
+def hopeless_in_flight(
+    order: Sequence[str],
+    outcomes: Mapping[str, Outcome],
+    selection: Selection,
+    *,
+    token_budget: int | None,
+    fit: LengthFit,
+    in_flight: Mapping[int, float],
+) -> set[int]:
+    """The requests in flight whose outcome the prefix will almost surely not need: the
+    positions before each surely reach the budget (what they have generated already
+    does), or do with P(needed) below ``Z_ABANDON``'s. Cancelling them saves what they
+    would still decode; the rare one needed after all is dispatched again.
+
+    Walked like :func:`plan_dispatch_tail`: known outcomes exactly, requests in flight at
+    their conditional length given ``in_flight`` progress (at least that progress), the
+    positions not sent yet at the distribution's mean and variance.
+    """
+    if selection.complete or token_budget is None or not in_flight:
+        return set()
+    last = max(in_flight)
+    positions = sorted(in_flight)
+    cond_mean, cond_var = fit.conditional([in_flight[p] for p in positions])
+    expected = dict(
+        zip(positions, zip(cond_mean.tolist(), cond_var.tolist(), strict=True), strict=True)
+    )
+    hopeless: set[int] = set()
+    tokens, tokens_var = float(selection.tokens), 0.0
+    floor = float(selection.tokens)  # what the positions before have surely spent
+    for pos in range(selection.frontier, last + 1):
+        outcome = outcomes.get(order[pos])
+        if outcome is not None:
+            if not outcome.failed:
+                tokens += outcome.completion_tokens
+                floor += outcome.completion_tokens
+            continue
+        if pos in expected:
+            room, spread = token_budget - tokens, math.sqrt(tokens_var)
+            if floor >= token_budget or (spread > 0 and room / spread < Z_ABANDON):
+                hopeless.add(pos)
+            m, v = expected[pos]
+            tokens, tokens_var = tokens + m, tokens_var + v
+            floor += in_flight[pos]
+        else:
+            tokens, tokens_var = tokens + fit.mean, tokens_var + fit.var
+    return hopeless
 
 
 def select_prefix_arrays(

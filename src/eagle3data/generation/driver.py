@@ -46,9 +46,11 @@ from ..atomic import write_jsonl
 from ..driver_signals import signal_name, stop_deferred
 from ..errors import GenerationAborted
 from .budget import (
+    LengthFit,
     LengthModel,
     Outcome,
     Selection,
+    hopeless_in_flight,
     plan_dispatch,
     plan_dispatch_tail,
     select_prefix,
@@ -390,7 +392,9 @@ class _TokenClock:
     spends not generating: queueing, prefill). When that lag is large, requests wait in a
     server-side queue (more in flight than the engine runs) and elapsed time says little;
     only the ordering bound is kept: with FIFO service and equal speeds, a request still
-    running after a later one finished with n tokens has generated more than n.
+    running after a later one finished with n tokens has generated more than n. A request
+    a server's queue gauge shows waiting has generated nothing yet; its clock starts again
+    when the gauge first shows it decoding.
     """
 
     def __init__(self) -> None:
@@ -398,16 +402,30 @@ class _TokenClock:
         self._seq = 0
         self._started: dict[int, tuple[int, float]] = {}  # pos -> (dispatch order, clock)
         self._floor: dict[int, int] = {}  # pos -> ordering lower bound
+        self._waiting: set[int] = set()  # in a server's queue, by its gauge
         self._lags: deque[float] = deque(maxlen=64)
 
     def dispatched(self, pos: int) -> None:
+        """Sent, or (again) seen decoding for the first time by a queue gauge."""
         self._started[pos] = (self._seq, self.now)
         self._seq += 1
+        # Ordering bounds hold from the start of decoding (a waiting one got them wrongly).
+        self._floor.pop(pos, None)
+        self._waiting.discard(pos)
+
+    def waiting(self, pos: int) -> None:
+        """Seen waiting in a server's queue."""
+        if pos in self._started:
+            self._waiting.add(pos)
+
+    def is_waiting(self, pos: int) -> bool:
+        return pos in self._waiting
 
     def dropped(self, pos: int) -> None:
         """A request that ended without a result (it will be dispatched again)."""
         self._started.pop(pos, None)
         self._floor.pop(pos, None)
+        self._waiting.discard(pos)
 
     def finished(self, pos: int, tokens: int) -> None:
         started = self._started.get(pos)
@@ -427,7 +445,9 @@ class _TokenClock:
         lag = statistics.median(self._lags) if self._lags else 0.0
         queued = lag > typical / 4
         return {
-            pos: float(max(self._floor.get(pos, 0), 0.0 if queued else self.now - at - lag))
+            pos: 0.0
+            if pos in self._waiting
+            else float(max(self._floor.get(pos, 0), 0.0 if queued else self.now - at - lag))
             for pos, (_, at) in self._started.items()
         }
 
@@ -481,15 +501,14 @@ class _Run:
         (far from the end, the first lengths, in-process batches: nothing in flight)
         with the running mean, as before; batches stay a function of the journal."""
         if in_flight and self.near_end(len(in_flight) + limit):
-            progress = self.clock.progress(self.ok_tokens / max(self.ok_count, 1))
-            fit = self.lengths.fit(progress[p] for p in in_flight if p in progress)
+            progress, fit = self._tail_fit(in_flight)
             if fit is not None:
                 return plan_dispatch_tail(
                     self.order,
                     self.outcomes,
                     self.sel,
                     fit=fit,
-                    in_flight={p: progress.get(p, 0.0) for p in in_flight},
+                    in_flight=progress,
                     limit=limit,
                     **self.limits,
                 )
@@ -501,6 +520,29 @@ class _Run:
             limit=limit,
             in_flight=in_flight,
             **self.limits,
+        )
+
+    def _tail_fit(self, in_flight: Collection[int]) -> tuple[dict[int, float], LengthFit | None]:
+        """Where each request in flight has got, and the lengths fitted with them."""
+        progress = self.clock.progress(self.ok_tokens / max(self.ok_count, 1))
+        progress = {p: progress.get(p, 0.0) for p in in_flight}
+        return progress, self.lengths.fit(progress.values())
+
+    def hopeless(self, in_flight: Collection[int]) -> set[int]:
+        """Requests in flight the prefix will almost surely not need (near the end of a
+        budget only): cancelling them saves what they would still decode."""
+        if not in_flight or not self.near_end(len(in_flight)):
+            return set()
+        progress, fit = self._tail_fit(in_flight)
+        if fit is None:
+            return set()
+        return hopeless_in_flight(
+            self.order,
+            self.outcomes,
+            self.sel,
+            token_budget=self.job.token_budget,
+            fit=fit,
+            in_flight=progress,
         )
 
     def near_end(self, requests: int) -> bool:
@@ -709,7 +751,10 @@ async def _follow_queues(
     requests = [SentRequest(f.pos, f.trace.endpoint, f.trace.sent_at) for f in in_flight.values()]
     queued = queued_positions(requests, queues)
     for flight in in_flight.values():
-        if flight.pos not in queued and not flight.started:
+        if flight.pos in queued:
+            if not flight.conversation.turns:  # a later turn's clock holds the earlier ones
+                run.clock.waiting(flight.pos)
+        elif not flight.started or run.clock.is_waiting(flight.pos):
             flight.started = True
             run.clock.dispatched(flight.pos)
     # Only a first turn: cancelling a later one would throw the earlier turns away.
@@ -721,6 +766,20 @@ async def _follow_queues(
         for task in unneeded:
             del in_flight[task]
         await _cancel(run, unneeded, queued=True)
+
+
+async def _cancel_hopeless(
+    run: _Run, in_flight: dict[asyncio.Task[JournalRecord], _InFlight]
+) -> None:
+    """Near the end, cancel the conversations in flight the prefix will almost surely not
+    need (those before them have surely reached the budget, or very likely will): what
+    they would still decode is saved; one needed after all is sent again."""
+    hopeless = run.hopeless({flight.pos for flight in in_flight.values()})
+    doomed = {task: flight for task, flight in in_flight.items() if flight.pos in hopeless}
+    if doomed:
+        for task in doomed:
+            del in_flight[task]
+        await _cancel(run, doomed)
 
 
 def unneeded_waiting(run: _Run, running: Collection[int], waiting: Collection[int]) -> set[int]:
@@ -809,6 +868,8 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
                     log.warning("%s: failed: %s", record["id"], record["error"])
             if finished:
                 run.commit(finished)
+                if follow_queues:  # without a gauge, a waiting request's progress is unknown
+                    await _cancel_hopeless(run, in_flight)
             failures.check()
         if stop.is_set():
             raise GenerationAborted(stopped_message(run, stop_reason[0]))

@@ -223,7 +223,7 @@ def test_a_request_waiting_in_the_servers_queue_is_cancelled_before_it_decodes(
     not need are aborted before they decode a token; what the cancelled ones had decoded is
     in the waste."""
     # 0.1 s per answer: a run of about 1.3 s, many polls of the server's queue (every 0.1 s).
-    with FakeOpenAIServer(slots=2, tokens_per_s=400, mean_tokens=40, token_spread=0) as server:
+    with FakeOpenAIServer(slots=2, tokens_per_s=400, mean_tokens=40, token_spread=30) as server:
         single = [
             make_prompt(f"s{i:03d}", [{"role": "user", "content": f"q {i}"}]) for i in range(80)
         ]

@@ -8,6 +8,7 @@ import functools
 import heapq
 import math
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from eagle3data.generation.budget import (
     select_prefix,
 )
 from eagle3data.generation.driver import GenerationJob, Prompt, _InFlight, _Run, _TokenClock
+from eagle3data.generation.engines import RequestTrace
 from eagle3data.generation.records import ok_record
 
 # --------------------------------------------------------------------------- the length model
@@ -676,3 +678,57 @@ class _ListJournal:
 
     def append_many(self, records: list[Any]) -> None:
         self.records.extend(records)
+
+
+def test_a_cancelled_request_decoded_at_least_what_a_later_one_on_its_server_did():
+    """First come, first served: a request still in flight started no later than one sent
+    after it to the same server, so it has decoded at least what that one finished with.
+    The floor stands in where the server says nothing and a gauge may be wrong."""
+    served = driver._ServedLog()
+    for endpoint, sent_at, tokens in [
+        ("a", 1.0, 40),
+        ("a", 3.0, 90),
+        ("a", 5.0, 20),
+        ("b", 9.0, 500),
+    ]:
+        served.finished(RequestTrace(endpoint=endpoint, sent_at=sent_at), tokens)
+    served.finished(RequestTrace(), 999)  # never sent: says nothing
+    traces = [
+        RequestTrace(endpoint="a", sent_at=0.5),  # before all three: the most of them
+        RequestTrace(endpoint="a", sent_at=4.0),  # only the one sent at 5.0 is later
+        RequestTrace(endpoint="a", sent_at=6.0),  # none later
+        RequestTrace(endpoint="c", sent_at=0.0),  # nothing served there
+        RequestTrace(),
+    ]
+    assert served.decoded_at_least(traces) == [90, 20, 0, 0, 0]
+
+
+def test_a_cancelled_request_a_gauge_saw_decoding_is_estimated_from_the_time_it_ran():
+    """Where the server says nothing (vLLM), a request a queue gauge showed decoding is
+    estimated at the usual decode rate for the time since then (the token clock moves only
+    with answers, which are few at the end), within max_tokens; one the gauge shows waiting
+    has decoded nothing."""
+    job = GenerationJob(
+        dataset="sim",
+        prompts=[Prompt(f"q{i}", "h", [{"role": "user", "content": str(i)}]) for i in range(3)],
+        journal=Path("/nonexistent/journal.jsonl"),
+        model="sim",
+        sampling={"max_tokens": 500},
+        progress_interval_s=1e9,
+    )
+    run = _Run(job, _NullJournal())  # type: ignore[arg-type]
+    now = time.monotonic()
+    run.served.finished(RequestTrace(endpoint="b", sent_at=now - 2.0), 200)  # 100 tokens/s
+    flights = []
+    for pos, seen_decoding_for in [(0, 1.5), (1, 60.0), (2, None)]:
+        flight = _InFlight(pos, driver.Conversation(run.by_id[run.order[pos]]))
+        flight.trace = RequestTrace(endpoint="a", sent_at=now - 100.0)
+        if seen_decoding_for is not None:
+            flight.started_at = now - seen_decoding_for
+        run.clock.dispatched(pos)
+        flights.append(flight)
+    run.clock.waiting(2)
+    spent = [r["completion_tokens_spent"] for r in driver._abandoned(run, flights)]
+    assert 150 <= spent[0] <= 160  # 1.5 s at 100 tokens/s (and what the test took)
+    assert spent[1] == 500  # max_tokens
+    assert spent[2] == 0

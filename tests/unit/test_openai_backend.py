@@ -208,7 +208,9 @@ def test_budget_is_never_exceeded_and_in_flight_work_is_cancelled(tmp_path: Path
     assert stats["received"] < 200, "dispatch stopped near the budget"
     # SGLang (the fake's dialect) aborts each cancelled request by its rid and says what it
     # had decoded: what we count as generated is exactly what the engine decoded.
-    assert stats["aborted"] == result.stats["abandoned_requests"] > 0
+    # (A conversation cancelled before its request went out is abandoned with nothing
+    # decoded and never reaches the server.)
+    assert 0 < stats["aborted"] <= result.stats["abandoned_requests"]
     assert result.stats["generated_tokens_total"] == stats["decoded_tokens"]
     assert result.stats["waste_tokens"] == stats["decoded_tokens"] - used
     assert result.stats["abandoned_tokens_estimated"] == 0
@@ -222,8 +224,13 @@ def test_a_request_waiting_in_the_servers_queue_is_cancelled_before_it_decodes(
     requests still waiting in the server's queue (its /v1/loads gauge) that the prefix will
     not need are aborted before they decode a token; what the cancelled ones had decoded is
     in the waste."""
-    # 0.1 s per answer: a run of about 1.3 s, many polls of the server's queue (every 0.1 s).
-    with FakeOpenAIServer(slots=2, tokens_per_s=400, mean_tokens=40, token_spread=30) as server:
+    # Answers of 8 or 64 tokens (one in three long): until the long ones near the end are
+    # known, the plan wants more than the slots run; once they are, it no longer needs the
+    # last of those waiting. 20-160 ms an answer, many polls of the server's queue (0.1 s).
+    def tokens(messages: list[dict]) -> int:
+        return 64 if int(prompt_hash(messages), 16) % 3 == 0 else 8
+
+    with FakeOpenAIServer(slots=2, tokens_per_s=400, tokens_fn=tokens) as server:
         single = [
             make_prompt(f"s{i:03d}", [{"role": "user", "content": f"q {i}"}]) for i in range(80)
         ]
@@ -240,7 +247,8 @@ def test_a_request_waiting_in_the_servers_queue_is_cancelled_before_it_decodes(
     assert len(nothing) >= stats["cancelled_before_decode"] > 0
     assert all(r["spent_source"] == "server" for r in abandoned)
     assert result.stats["generated_tokens_total"] == stats["decoded_tokens"]
-    assert result.stats["abandoned_requests"] == len(abandoned) == stats["aborted"]
+    # Each one sent was aborted (the rest were cancelled before they went out).
+    assert result.stats["abandoned_requests"] == len(abandoned) >= stats["aborted"] > 0
     # An abandoned record decides nothing: a prompt given back while waiting may be sent
     # again later, and its outcome then comes after it in the journal.
     lines = [json.loads(line) for line in j.journal.read_text().splitlines()]

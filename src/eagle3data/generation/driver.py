@@ -30,6 +30,7 @@ a server refuses that history and the prompt fails with its message, like any ot
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import logging
 import math
@@ -39,6 +40,7 @@ import time
 from collections import deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -452,6 +454,48 @@ class _TokenClock:
         }
 
 
+class _ServedLog:
+    """The requests seen to finish on each endpoint: when each was sent and what its answer
+    decoded. Under first-come-first-served scheduling a request sent earlier to the same
+    endpoint started no later and decodes as fast, so one still in flight has decoded at
+    least as much as any later one that finished: a floor on a cancelled request's decode
+    that needs no queue gauge (a gauge can be stale or read the order wrongly)."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self._recent: deque[tuple[str, float, int]] = deque(maxlen=keep)
+        self._rates: deque[float] = deque(maxlen=256)  # tokens per second in flight
+
+    def finished(self, trace: RequestTrace, tokens: int) -> None:
+        if trace.endpoint is not None and trace.sent_at is not None:
+            self._recent.append((trace.endpoint, trace.sent_at, tokens))
+            took = time.monotonic() - trace.sent_at
+            if took > 0 and tokens > 0:
+                self._rates.append(tokens / took)
+
+    def rate(self) -> float:
+        """Tokens a request decodes per second in flight (the median of recent answers,
+        whose time includes their prefill and any wait in the queue, so on the low side)."""
+        return statistics.median(self._rates) if self._rates else 0.0
+
+    def decoded_at_least(self, traces: Sequence[RequestTrace]) -> list[int]:
+        """For each request still in flight, the most decoded by one sent after it to the
+        same endpoint that has finished (0 if none)."""
+        by_endpoint: dict[str, list[tuple[float, int]]] = {}
+        for endpoint, sent_at, tokens in self._recent:
+            by_endpoint.setdefault(endpoint, []).append((sent_at, tokens))
+        latest_max = {}  # endpoint -> (send times ascending, max tokens from there on)
+        for endpoint, served in by_endpoint.items():
+            served.sort()
+            tokens_from = list(accumulate(reversed([n for _, n in served]), max))[::-1]
+            latest_max[endpoint] = ([t for t, _ in served], tokens_from)
+        out = []
+        for trace in traces:
+            times, tokens_from = latest_max.get(trace.endpoint or "", ([], []))
+            i = bisect.bisect_right(times, trace.sent_at) if trace.sent_at is not None else 0
+            out.append(tokens_from[i] if trace.sent_at is not None and i < len(times) else 0)
+        return out
+
+
 class _Run:
     """State shared by the two dispatch loops: journal, outcomes, selection."""
 
@@ -481,6 +525,7 @@ class _Run:
             self.lengths.add(tokens)
         self.clock = _TokenClock()
         self.engine_notes: dict[str, int] = {}  # the HTTP engine's counters (stats)
+        self.served = _ServedLog()
 
     def expected_tokens(self, capacity: int) -> float:
         """Running mean completion length; before anything is known, a prior that
@@ -661,6 +706,7 @@ class _InFlight:
     conversation: Conversation
     trace: RequestTrace = field(default_factory=RequestTrace)
     started: bool = False  # seen decoding (not in the server's queue) by a queue gauge
+    started_at: float | None = None  # time.monotonic() when first seen so
 
 
 async def _converse(engine: AsyncEngine, flight: _InFlight) -> JournalRecord:
@@ -684,17 +730,29 @@ def _abandoned(
     clock (a request that was never sent decoded nothing; one ``queued`` in the server by
     its gauge is estimated at nothing)."""
     progress = run.clock.progress(run.ok_tokens / max(run.ok_count, 1)) if flights else {}
+    at_least = run.served.decoded_at_least([flight.trace for flight in flights])
+    rate, now = run.served.rate(), time.monotonic()
+    max_tokens = run.job.sampling.get("max_tokens")
     out = []
-    for flight in flights:
+    for flight, floor in zip(flights, at_least, strict=True):
         conv = flight.conversation
         finished = sum(t["completion_tokens"] for t in conv.turns)
         decoded, estimated = flight.trace.decoded_on_cancel, False
         if decoded is None and flight.trace.sent_at is None:
             decoded = 0
         elif decoded is None and queued:
-            decoded, estimated = 0, True
+            decoded, estimated = floor, True
         elif decoded is None:
-            decoded, estimated = max(round(progress.get(flight.pos, 0.0)) - finished, 0), True
+            clocked = round(progress.get(flight.pos, 0.0)) - finished
+            # The token clock moves only with answers, so near the end (few of them) it
+            # lags: where a gauge showed the request decoding, time at the usual rate.
+            timed = 0
+            if flight.started_at is not None and not run.clock.is_waiting(flight.pos):
+                since = max(flight.started_at, flight.trace.sent_at)
+                timed = round(rate * (now - since))
+            decoded, estimated = max(clocked, floor, timed, 0), True
+            if max_tokens is not None:
+                decoded = min(decoded, int(max_tokens))
         prompt = conv.prompt
         out.append(
             abandoned_record(prompt.id, prompt.prompt_hash, finished + decoded, estimated=estimated)
@@ -755,7 +813,7 @@ async def _follow_queues(
             if not flight.conversation.turns:  # a later turn's clock holds the earlier ones
                 run.clock.waiting(flight.pos)
         elif not flight.started or run.clock.is_waiting(flight.pos):
-            flight.started = True
+            flight.started, flight.started_at = True, time.monotonic()
             run.clock.dispatched(flight.pos)
     # Only a first turn: cancelling a later one would throw the earlier turns away.
     waiting = {t: f for t, f in in_flight.items() if f.pos in queued and not f.conversation.turns}
@@ -850,7 +908,8 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
             for task in done:
                 if task is stopper:
                     continue
-                pos = in_flight.pop(task).pos
+                flight = in_flight.pop(task)
+                pos = flight.pos
                 try:
                     record = task.result()
                 except TransientError as exc:
@@ -860,6 +919,8 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
                     log.warning("%s: %s (will retry later)", run.order[pos], exc)
                     continue
                 run.clock.finished(pos, spent_tokens(record))
+                if not is_failed(record):
+                    run.served.finished(flight.trace, record["turns"][-1]["completion_tokens"])
                 finished.append(record)
                 failed = is_failed(record)
                 # A prompt too long for the context says nothing about the server.

@@ -1,9 +1,9 @@
 """Budget waste on the real SGLang and vLLM CPU servers of the test suite, from their counters.
 
     bash tests/sglang/setup.sh
-    .venv-sglang/bin/python benchmarks/bench_real_waste.py --engine sglang   # ~N min
+    .venv-sglang/bin/python benchmarks/bench_real_waste.py --engine sglang   # ~7 min
     bash tests/vllm/setup.sh
-    .venv/bin/python benchmarks/bench_real_waste.py --engine vllm   # ~N min
+    .venv/bin/python benchmarks/bench_real_waste.py --engine vllm   # ~4 min
 
 A tiny random Qwen3 (the suite's) served on CPU with 4 decode slots
 (``--max-running-requests`` / ``--max-num-seqs``); the real generation driver and

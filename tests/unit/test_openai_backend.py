@@ -224,6 +224,7 @@ def test_a_request_waiting_in_the_servers_queue_is_cancelled_before_it_decodes(
     requests still waiting in the server's queue (its /v1/loads gauge) that the prefix will
     not need are aborted before they decode a token; what the cancelled ones had decoded is
     in the waste."""
+
     # Answers of 8 or 64 tokens (one in three long): until the long ones near the end are
     # known, the plan wants more than the slots run; once they are, it no longer needs the
     # last of those waiting. 20-160 ms an answer, many polls of the server's queue (0.1 s).

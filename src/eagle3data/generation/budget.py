@@ -266,6 +266,15 @@ class LengthModel:
         )
 
 
+def _expected_lengths(
+    fit: LengthFit, in_flight: Mapping[int, float]
+) -> dict[int, tuple[float, float]]:
+    """Each position in flight: the mean and variance of its length given its progress."""
+    positions = sorted(in_flight)
+    mean, var = fit.conditional([in_flight[p] for p in positions])
+    return dict(zip(positions, zip(mean.tolist(), var.tolist(), strict=True), strict=True))
+
+
 def plan_dispatch_tail(
     order: Sequence[str],
     outcomes: Mapping[str, Outcome],
@@ -291,11 +300,7 @@ def plan_dispatch_tail(
     """
     if selection.complete or limit < 1:
         return []
-    positions = sorted(in_flight)
-    cond_mean, cond_var = fit.conditional([in_flight[p] for p in positions])
-    expected = dict(
-        zip(positions, zip(cond_mean.tolist(), cond_var.tolist(), strict=True), strict=True)
-    )
+    expected = _expected_lengths(fit, in_flight)
     mean, var = fit.mean, fit.var
     batch: list[int] = []
     pending = False
@@ -358,11 +363,7 @@ def hopeless_in_flight(
     if selection.complete or token_budget is None or not in_flight:
         return set()
     last = max(in_flight)
-    positions = sorted(in_flight)
-    cond_mean, cond_var = fit.conditional([in_flight[p] for p in positions])
-    expected = dict(
-        zip(positions, zip(cond_mean.tolist(), cond_var.tolist(), strict=True), strict=True)
-    )
+    expected = _expected_lengths(fit, in_flight)
     hopeless: set[int] = set()
     tokens, tokens_var = float(selection.tokens), 0.0
     floor = float(selection.tokens)  # what the positions before have surely spent

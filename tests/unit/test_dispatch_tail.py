@@ -296,6 +296,25 @@ class _NullJournal:
         pass
 
 
+def sim_job(n: int, *, max_tokens: int, token_budget: int | None = None) -> GenerationJob:
+    """A job of ``n`` one-turn prompts ``q00000``... that writes no journal of its own."""
+    return GenerationJob(
+        dataset="sim",
+        prompts=[Prompt(f"q{i:05d}", "h", [{"role": "user", "content": str(i)}]) for i in range(n)],
+        journal=Path("/nonexistent/journal.jsonl"),
+        model="sim",
+        sampling={"max_tokens": max_tokens},
+        token_budget=token_budget,
+        progress_interval_s=1e9,
+    )
+
+
+def commit_answers(run: _Run, positions: range, tokens: int) -> None:
+    """Journal an answer of ``tokens`` for each of these positions."""
+    turn = {"finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": tokens}
+    run.commit([ok_record(run.order[p], "h", [], [turn]) for p in positions])  # type: ignore[list-item]
+
+
 MEAN = {"normal": 200, "lognormal": 200, "maxshare": 200, "short": 2.5}
 MAX_TOKENS = {"normal": 100_000, "lognormal": 1000, "maxshare": 600, "short": 16}
 
@@ -374,18 +393,7 @@ def simulate(
     sees the queue as a server's gauge shows it (at every event): a request's token clock
     starts when it leaves the queue, and near the end waiting requests the plan would not
     send now are cancelled (``driver.unneeded_waiting``). Event-driven, so deterministic."""
-    prompts = [
-        Prompt(f"q{i:05d}", "h", [{"role": "user", "content": str(i)}]) for i in range(len(lengths))
-    ]
-    job = GenerationJob(
-        dataset="sim",
-        prompts=prompts,
-        journal=Path("/nonexistent/journal.jsonl"),
-        model="sim",
-        sampling={"max_tokens": max_tokens},
-        token_budget=budget,
-        progress_interval_s=1e9,
-    )
+    job = sim_job(len(lengths), max_tokens=max_tokens, token_budget=budget)
     run = _Run(job, _NullJournal())  # type: ignore[arg-type]
     now, busy = 0.0, 0
     queue: list[int] = []
@@ -592,20 +600,9 @@ def test_a_waiting_request_the_budget_no_longer_needs_is_cancelled():
     """The plan's view at the end: of the conversations waiting in the server's queue, those
     past where the prefix will likely end are given back; running ones are never touched.
     Every answer is 100 tokens; the budget 2050 ends the prefix at 20 conversations."""
-    job = GenerationJob(
-        dataset="sim",
-        prompts=[
-            Prompt(f"q{i:05d}", "h", [{"role": "user", "content": str(i)}]) for i in range(40)
-        ],
-        journal=Path("/nonexistent/journal.jsonl"),
-        model="sim",
-        sampling={"max_tokens": 1000},
-        token_budget=2050,
-        progress_interval_s=1e9,
-    )
+    job = sim_job(40, max_tokens=1000, token_budget=2050)
     run = _Run(job, _NullJournal())  # type: ignore[arg-type]
-    turn = {"finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": 100}
-    run.commit([ok_record(run.order[p], "h", [], [turn]) for p in range(18)])  # type: ignore[list-item]
+    commit_answers(run, range(18), 100)
     running, waiting = {18, 19}, set(range(20, 30))
     for pos in sorted(running | waiting):
         run.clock.dispatched(pos)
@@ -628,23 +625,12 @@ def test_running_requests_the_prefix_will_not_need_are_cancelled_and_their_decod
     """The stream loop's step after a commit, near the end: conversations in flight behind
     one that has surely reached the budget are cancelled and journaled as abandoned with
     what they had decoded; the one that decides the prefix keeps running."""
-    job = GenerationJob(
-        dataset="sim",
-        prompts=[
-            Prompt(f"q{i:05d}", "h", [{"role": "user", "content": str(i)}]) for i in range(40)
-        ],
-        journal=Path("/nonexistent/journal.jsonl"),
-        model="sim",
-        sampling={"max_tokens": 1000},
-        token_budget=2050,
-        progress_interval_s=1e9,
-    )
+    job = sim_job(40, max_tokens=1000, token_budget=2050)
     journal = _ListJournal()
     run = _Run(job, journal)  # type: ignore[arg-type]
-    turn = {"finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": 100}
     for pos in range(18, 21):
         run.clock.dispatched(pos)
-    run.commit([ok_record(run.order[p], "h", [], [turn]) for p in range(18)])  # type: ignore[list-item]
+    commit_answers(run, range(18), 100)
     # 1800 kept; p18 has generated 300 of its answer already (a later one finished with
     # 300): 2100 >= 2050 whatever it ends with, so p19 and p20 cannot be needed.
     run.clock.dispatched(21)
@@ -708,15 +694,7 @@ def test_a_cancelled_request_a_gauge_saw_decoding_is_estimated_from_the_time_it_
     estimated at the usual decode rate for the time since then (the token clock moves only
     with answers, which are few at the end), within max_tokens; one the gauge shows waiting
     has decoded nothing."""
-    job = GenerationJob(
-        dataset="sim",
-        prompts=[Prompt(f"q{i}", "h", [{"role": "user", "content": str(i)}]) for i in range(3)],
-        journal=Path("/nonexistent/journal.jsonl"),
-        model="sim",
-        sampling={"max_tokens": 500},
-        progress_interval_s=1e9,
-    )
-    run = _Run(job, _NullJournal())  # type: ignore[arg-type]
+    run = _Run(sim_job(3, max_tokens=500), _NullJournal())  # type: ignore[arg-type]
     now = time.monotonic()
     run.served.finished(RequestTrace(endpoint="b", sent_at=now - 2.0), 200)  # 100 tokens/s
     flights = []

@@ -567,9 +567,13 @@ class _Run:
             **self.limits,
         )
 
+    def progress_in_flight(self) -> dict[int, float]:
+        """The token clock's tokens so far of each request in flight."""
+        return self.clock.progress(self.ok_tokens / max(self.ok_count, 1))
+
     def _tail_fit(self, in_flight: Collection[int]) -> tuple[dict[int, float], LengthFit | None]:
         """Where each request in flight has got, and the lengths fitted with them."""
-        progress = self.clock.progress(self.ok_tokens / max(self.ok_count, 1))
+        progress = self.progress_in_flight()
         progress = {p: progress.get(p, 0.0) for p in in_flight}
         return progress, self.lengths.fit(progress.values())
 
@@ -705,8 +709,8 @@ class _InFlight:
     pos: int
     conversation: Conversation
     trace: RequestTrace = field(default_factory=RequestTrace)
-    started: bool = False  # seen decoding (not in the server's queue) by a queue gauge
-    started_at: float | None = None  # time.monotonic() when first seen so
+    # time.monotonic() when a queue gauge first showed it decoding (not in the server's queue)
+    started_at: float | None = None
 
 
 async def _converse(engine: AsyncEngine, flight: _InFlight) -> JournalRecord:
@@ -726,10 +730,12 @@ def _abandoned(
     run: _Run, flights: Sequence[_InFlight], *, queued: bool = False
 ) -> list[AbandonedRecord]:
     """Records of conversations cancelled in flight: the turns they finished, and what the
-    cancelled request had decoded, as the server said or else estimated from the token
-    clock (a request that was never sent decoded nothing; one ``queued`` in the server by
-    its gauge is estimated at nothing)."""
-    progress = run.clock.progress(run.ok_tokens / max(run.ok_count, 1)) if flights else {}
+    cancelled request had decoded, as the server said or else estimated: never below what
+    a later request on its server finished with (:class:`_ServedLog`); for one ``queued``
+    in the server by its gauge, that floor alone; otherwise the most of the floor, the token
+    clock and the time since a gauge showed it decoding, within max_tokens. A request that
+    was never sent decoded nothing."""
+    progress = run.progress_in_flight() if flights else {}
     at_least = run.served.decoded_at_least([flight.trace for flight in flights])
     rate, now = run.served.rate(), time.monotonic()
     max_tokens = run.job.sampling.get("max_tokens")
@@ -812,8 +818,8 @@ async def _follow_queues(
         if flight.pos in queued:
             if not flight.conversation.turns:  # a later turn's clock holds the earlier ones
                 run.clock.waiting(flight.pos)
-        elif not flight.started or run.clock.is_waiting(flight.pos):
-            flight.started, flight.started_at = True, time.monotonic()
+        elif flight.started_at is None or run.clock.is_waiting(flight.pos):
+            flight.started_at = time.monotonic()
             run.clock.dispatched(flight.pos)
     # Only a first turn: cancelling a later one would throw the earlier turns away.
     waiting = {t: f for t, f in in_flight.items() if f.pos in queued and not f.conversation.turns}
@@ -919,10 +925,10 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
                     log.warning("%s: %s (will retry later)", run.order[pos], exc)
                     continue
                 run.clock.finished(pos, spent_tokens(record))
-                if not is_failed(record):
-                    run.served.finished(flight.trace, record["turns"][-1]["completion_tokens"])
                 finished.append(record)
                 failed = is_failed(record)
+                if not failed:
+                    run.served.finished(flight.trace, record["turns"][-1]["completion_tokens"])
                 # A prompt too long for the context says nothing about the server.
                 failures.record(failed=failed and record.get("kind") != OVER_CONTEXT)
                 if failed:

@@ -23,3 +23,11 @@ rule all:
     default_target: True
     input:
         all_targets,
+
+
+# Phase 1 on a GPU box (docs/runbook.md): every dataset's responses, while the
+# generation server runs; then stop it and run `snakemake` (phase 2: the capture).
+rule generation:
+    input:
+        expand(rules.generate.output.responses, dataset=DATASETS),
+    localrule: True

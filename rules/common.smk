@@ -12,10 +12,12 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from eagle3data import layout
 from eagle3data.config import canonical_json, check_config
 from eagle3data.driver_signals import relay_sigterm_off_main_thread
+from eagle3data.hidden_states.capture_service import mark_run_owner, stop_engines
 from eagle3data.generation.settings import generation_settings
 from eagle3data.gpu_slots import job_gpus
 from eagle3data.errors import ConfigError, PromptFormatError
 from eagle3data.hidden_states.settings import hidden_state_settings
+from eagle3data.phases import capture_waits_for_all, next_phase_line
 from eagle3data.prompts.readers import source_files
 from eagle3data.tokenization.settings import tokenize_settings
 
@@ -53,9 +55,22 @@ def check_paths(config):
 check_paths(config)
 
 
+# This process is the run: capture engines it starts (one load of the target for all
+# its shard jobs, capture_service.py) stop when it ends, however it ends.
+mark_run_owner()
+
+
 onstart:
     # Snakemake's own SIGTERM handler can deadlock the driver: see driver_signals.py.
     relay_sigterm_off_main_thread()
+
+
+onsuccess:
+    stop_engines()
+
+
+onerror:
+    stop_engines()
 
 
 wildcard_constraints:
@@ -119,6 +134,7 @@ def show_preview_on_dry_run():
 
         for line in preview_lines(config):
             logger.info(line)
+        logger.info(next_phase_line(config))
 
 
 def all_targets(wildcards):
@@ -128,8 +144,13 @@ def all_targets(wildcards):
 
 def plan_shards_input(wildcards):
     show_preview_on_dry_run()
-    return {
+    inputs = {
         "tokenized": rules.tokenize.output.tokenized,
         "tokenize_stats": rules.tokenize.output.stats,
         "model": model_config_file(),
     }
+    if capture_waits_for_all(config):
+        # Generation, then capture (phases.py): on GPUs the capture shares with generation,
+        # no dataset's capture starts before every dataset is generated and tokenized.
+        inputs["phase_1"] = expand(rules.tokenize.output.stats, dataset=DATASETS)
+    return inputs

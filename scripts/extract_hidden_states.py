@@ -13,15 +13,25 @@ if __name__ == "__main__":
 
     from eagle3data.config import model_name
     from eagle3data.gpu_slots import GpuRequest
+    from eagle3data.hidden_states.capture_service import capture_with_engine, uses_engine_service
     from eagle3data.hidden_states.extraction import extract_shard  # imports no torch
     from eagle3data.hidden_states.settings import execution_settings
     from eagle3data.jobs import run_step
+    from eagle3data.phases import check_generation_stopped, local_generation_endpoints
 
     settings = json.loads(snakemake.params.settings)
+    hidden_cfg = {**settings["hidden_states"], **execution_settings(snakemake.config)}
+    gpus = GpuRequest.of_job(snakemake)
+    # The target loads once per run (a capture engine serves every shard job: the
+    # capture_service module), unless hidden_states.engine_lifetime is "shard".
+    shared = uses_engine_service(hidden_cfg)
     run_step(
         snakemake.log[0],
-        extract_shard,
-        gpus=GpuRequest.of_job(snakemake),
+        capture_with_engine if shared else extract_shard,
+        gpus=None if shared else gpus,
+        # Phase 2 only: not while a generation server on this machine holds the GPUs.
+        checks=[lambda: check_generation_stopped(local_generation_endpoints(snakemake.config))],
+        **({"job_gpus": gpus} if shared else {}),
         dataset=snakemake.wildcards.dataset,
         shard=int(snakemake.wildcards.shard),
         spec_path=snakemake.input.spec,
@@ -31,7 +41,7 @@ if __name__ == "__main__":
         # A provenance label and how to run (GPUs, SGLang's engine options): read from
         # the config, not params, which are rerun triggers; neither changes the states.
         model_label=model_name(snakemake.config["model"]),
-        hidden_cfg={**settings["hidden_states"], **execution_settings(snakemake.config)},
+        hidden_cfg=hidden_cfg,
         model_dtype=settings["dtype"],
         out_shard=snakemake.output.shard,
         threads=snakemake.threads,

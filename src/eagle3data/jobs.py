@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,9 +57,11 @@ def run_step(
     /,
     *,
     gpus: GpuRequest | None = None,
+    checks: Sequence[Callable[[], None]] = (),
     **kwargs: Any,
 ) -> None:
-    """Run one stage function with ``kwargs``, as a job; exit 1 on any failure."""
+    """Run one stage function with ``kwargs``, as a job; exit 1 on any failure.
+    ``checks`` run first, before the GPUs are taken (a refusal is a one-line error)."""
     # Read when huggingface_hub and tqdm are imported, so before the stage imports them;
     # a user who set them keeps their choice.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -70,6 +72,8 @@ def run_step(
         with contextlib.ExitStack() as alive:
             if log_path:
                 alive.enter_context(Heartbeat(Path(log_path)))
+            for check in checks:
+                check()
             if gpus is not None:
                 gpus.acquire()
             step(**kwargs)

@@ -129,9 +129,12 @@ def extract_shard(
     model_dtype: str,
     out_shard: str,
     threads: int | None = None,
+    extractor: Extractor | None = None,
 ) -> None:
     """Extract shard ``shard`` as its spec describes it; ``hidden_cfg`` is the
-    ``hidden_states`` section (settings and execution keys alike)."""
+    ``hidden_states`` section (settings and execution keys alike). With ``extractor``
+    (a capture engine's, :mod:`.capture_service`) the target is not loaded here, and the
+    extractor stays open for the next shard."""
     from ..torch_utils import dtype_name, set_threads
 
     spec = json.loads(Path(spec_path).read_text())
@@ -145,8 +148,10 @@ def extract_shard(
             f"{spec['start']}-{spec['end']} of {tokenized_path}; re-run plan_shards "
             f"(snakemake -R plan_shards)"
         )
-    set_threads(threads)
-    extractor = build_extractor(model_path, hidden_cfg, model_dtype, job=f"{dataset}-{shard}")
+    owned = extractor is None
+    if extractor is None:
+        set_threads(threads)
+        extractor = build_extractor(model_path, hidden_cfg, model_dtype, job=f"{dataset}-{shard}")
     dtype = dtype_name(extractor.dtype)
     ids = df["id"].to_list()
     input_ids = df["input_ids"].to_list()
@@ -191,9 +196,13 @@ def extract_shard(
                 on_batch=progress,
             )
     finally:
+        # Per-shard accounting (which ranks wrote the rows) goes to this shard's log.
+        end_shard = getattr(extractor, "end_shard", None)
+        if end_shard is not None:
+            end_shard()
         # An engine backend stops its workers and frees what they hold here, while the
         # job's log still takes its lines (not at interpreter exit).
         close = getattr(extractor, "close", None)
-        if close is not None:
+        if owned and close is not None:
             close()
     log.info("%s shard %d: wrote %d conversations to %s", dataset, shard, len(ids), out_shard)

@@ -16,7 +16,14 @@ from collections.abc import Mapping
 from typing import Any
 
 # hidden_states.* keys that say how a shard is computed, not what it holds.
-EXECUTION_KEYS = ("gpus_per_job", "sglang", "vllm")
+EXECUTION_KEYS = (
+    "gpus_per_job",
+    "sglang",
+    "vllm",
+    "engine_lifetime",
+    "engine_idle_s",
+    "share_gpus_with_generation",
+)
 # Keys added after shards existed, and the default that keeps the old content.
 _LATER_DEFAULTS = {"storage_dtype": "auto", "final_state": "post_norm"}
 

@@ -617,6 +617,12 @@ class SGLangCapture:
             if self.reader is not None:
                 self.reader.release()
 
+    def end_shard(self) -> None:
+        """Log which ranks wrote this shard's rows, and count the next shard's afresh."""
+        if self.reader is not None and self.reader.writers:
+            log.info("sglang hand-off: %s", self.reader.summary())
+            self.reader.writers.clear()
+
     def close(self, *, summary: bool = True) -> None:
         """Stop the engine and remove what it leaves: its processes, its shared memory and
         the hand-off directory (:mod:`.engine_reaper`); log which ranks wrote the rows.

@@ -96,7 +96,11 @@ def test_the_serve_command_comes_from_the_config(tmp_path: Path, capsys: Any) ->
     config = {
         "model": {"path": str(model), "trust_remote_code": True},
         "datasets": {"A": {"path": "x.jsonl"}},
-        "hidden_states": {"backend": "vllm", "aux_layers": [2, 3, 5]},
+        "hidden_states": {
+            "backend": "vllm",
+            "aux_layers": [2, 3, 5],
+            "vllm": {"url": "http://h:8000/v1"},
+        },
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))

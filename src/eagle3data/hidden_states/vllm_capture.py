@@ -118,6 +118,35 @@ def serve_command(
     ]
 
 
+# What a generation server of the target needs beyond the capture's flags, by the
+# architecture its config.json names: a reasoning parser (the reasoning apart from the
+# content, which the rows keep as reasoning_content) and a tool-call parser (calls as
+# tool_calls), as vLLM 0.32 names them. Kimi-K2.5: vLLM's recipe for the model, its
+# "kimi_k2" reasoning and tool-call parsers. Only targets whose parsers are known for sure:
+# an architecture can carry several models that need different ones (Qwen3's thinking and
+# instruct releases, Qwen3-Coder's own tool-call format), and a wrong reasoning parser
+# moves answers into the reasoning.
+GENERATION_PARSERS: dict[str, tuple[str, ...]] = {
+    "KimiK25ForConditionalGeneration": (
+        "--reasoning-parser",
+        "kimi_k2",
+        "--tool-call-parser",
+        "kimi_k2",
+    ),
+}
+
+
+def generation_flags(architectures: Sequence[str]) -> list[str] | None:
+    """The ``vllm serve`` flags a generation server of a target of ``architectures`` needs
+    (vLLM parses tool calls only with ``--enable-auto-tool-choice``), or None when this
+    package does not know them."""
+    for name in architectures:
+        parsers = GENERATION_PARSERS.get(name)
+        if parsers is not None:
+            return [*parsers[:2], "--enable-auto-tool-choice", *parsers[2:]]
+    return None
+
+
 def request_prefix(job: str) -> str:
     """The request ids of one job's captures start with this (vLLM names each file after
     its request, so a resumed job finds the files a killed attempt left behind)."""
@@ -389,8 +418,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=(
             "Print the `vllm serve` command of the capture server the hidden_states jobs of "
             "CONFIG need (backend: vllm): the model, its aux layers and the pre-norm final "
-            "state, vLLM's stock hidden-state connector writing to STORAGE. Arguments after "
-            "-- are appended (parallel layout, --dtype, --port, ...)."
+            "state, vLLM's stock hidden-state connector writing to STORAGE; when CONFIG "
+            "generates through a server (generation.backend: openai), also the reasoning and "
+            "tool-call parsers the target's answers need, so that one server serves both "
+            "stages. Arguments after -- are appended (parallel layout, --dtype, --port, ...)."
         ),
     )
     parser.add_argument("--config", type=Path, default=Path("config/config.yaml"))
@@ -403,11 +434,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(args.config)
     hidden = config["hidden_states"]
     model_path = config["model"]["path"]
-    depth = model_config.num_hidden_layers(model_config.read_model_config(model_path))
+    config_json = model_config.read_model_config(model_path)
+    depth = model_config.num_hidden_layers(config_json)
     aux = resolve_aux_layers(hidden["aux_layers"], depth, hidden["aux_layer_convention"])
     extra = list(args.extra)
     if config["model"].get("trust_remote_code") and "--trust-remote-code" not in extra:
         extra.append("--trust-remote-code")
+    if config["generation"]["backend"] == "openai":
+        # The generate stage may talk to this server ("One server for both stages", README):
+        # without the parsers the reasoning and the tool calls stay raw text in the content.
+        # They change nothing in what the capture requests get.
+        flags = generation_flags(model_config.architectures(config_json))
+        if flags is None:
+            sys.stderr.write(
+                f"note: no reasoning or tool-call parser is known here for "
+                f"{model_config.architectures(config_json)}; a generation server of this "
+                f"target needs its own (--reasoning-parser, --enable-auto-tool-choice "
+                f"--tool-call-parser: vllm serve --help)\n"
+            )
+        elif not {"--reasoning-parser", "--tool-call-parser"} & set(extra):
+            extra += flags
     command = serve_command(args.model or model_path, aux, str(args.storage), extra=extra)
     sys.stdout.write(shlex.join(command) + "\n")
     return 0

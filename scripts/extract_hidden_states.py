@@ -15,9 +15,9 @@ if __name__ == "__main__":
     from eagle3data.gpu_slots import GpuRequest
     from eagle3data.hidden_states.capture_service import capture_with_engine, uses_engine_service
     from eagle3data.hidden_states.extraction import extract_shard  # imports no torch
+    from eagle3data.hidden_states.phases import check_generation_stopped, local_generation_endpoints
     from eagle3data.hidden_states.settings import execution_settings
     from eagle3data.jobs import run_step
-    from eagle3data.phases import check_generation_stopped, local_generation_endpoints
 
     settings = json.loads(snakemake.params.settings)
     hidden_cfg = {**settings["hidden_states"], **execution_settings(snakemake.config)}

@@ -548,3 +548,57 @@ def test_faults_in_the_middle_of_a_shard_then_the_same_command_ends_identical(
     assert done.shards == kimi_wrapper["tp2"].shards
     assert not list(wf.path(RESULTS).glob(".shard-*.tmp")), "no temp file left behind"
     check_nothing_left(shm_baseline)
+
+
+# --- one load per phase ---------------------------------------------------------------------
+
+STARTED = re.compile(r"started capture engine (\S+) \(pid (\d+)")
+WRITER_PID = re.compile(r"sglang hand-off: scheduler \(pid (\d+)\) wrote")
+
+
+def test_one_engine_start_per_phase_and_a_killed_run_resumes_identical(
+    llama: dict[str, Any], shm_baseline: set[str]
+) -> None:
+    """The Llama at one rank, one conversation per shard (six or more shards): each run
+    starts SGLang once (one "started capture engine" line, and one scheduler pid in every
+    shard's hand-off line: SGLang's own word); ``kill -9`` of the run in its third shard
+    leaves nothing, and the same command ends byte-identical to the uninterrupted run.
+    Last in the module: it changes the Llama's shard size."""
+    target: Target = llama["target"]
+    wf = target.wf
+    target.configure(TP1, "shared_memory")
+    wf.config["hidden_states"]["shard_bytes"] = 1  # every conversation a shard of its own
+    wf.write_config()
+    target.clear_logs()
+    wf.run(MANIFEST, timeout=1200)
+    whole = read_shard_states(wf.path(RESULTS)).shards
+    assert len(whole) >= 6
+    logs = target.logs()
+    assert len(STARTED.findall(logs)) == 1, logs[-3000:]
+    assert len(WRITER_PID.findall(logs)) == len(whole)
+    assert len(set(WRITER_PID.findall(logs))) == 1, "one SGLang engine wrote every shard"
+    check_nothing_left(shm_baseline)
+
+    for shard in wf.path(RESULTS).glob("shard-*.h5"):
+        shard.unlink()
+    target.clear_logs()
+    proc = wf.start(MANIFEST)
+    deadline = time.monotonic() + 600
+    while len(list(wf.path(RESULTS).glob("shard-*.h5"))) < 2 or not list(
+        wf.path(RESULTS).glob(".shard-*.tmp")
+    ):
+        assert proc.poll() is None, "the capture ended before it could be killed"
+        assert time.monotonic() < deadline, "no third shard started in time"
+        time.sleep(0.02)
+    assert kill_group(proc, signal.SIGKILL) != 0
+    check_nothing_left(shm_baseline, proc.pid)
+    assert len(STARTED.findall(target.logs())) == 1
+    wf.run("--unlock")
+    target.clear_logs()
+    wf.run(MANIFEST, timeout=1200)
+    assert read_shard_states(wf.path(RESULTS)).shards == whole
+    logs = target.logs()
+    assert len(STARTED.findall(logs)) == 1, logs[-3000:]
+    assert len(set(WRITER_PID.findall(logs))) == 1
+    assert not list(wf.path(RESULTS).glob(".shard-*.tmp"))
+    check_nothing_left(shm_baseline)

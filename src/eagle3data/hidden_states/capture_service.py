@@ -318,13 +318,22 @@ def _claim_engine(spec: EngineSpec, gpus: GpuRequest) -> _Claim:
         time.sleep(1.0)
 
 
+def _wait_gone(directory: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _alive(directory) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _wait_ready(claim: _Claim) -> Connection:
     """Connect once the engine has loaded the target; its start failure as our error."""
     directory = claim.directory
     while True:
         failed = directory / "failed.json"
         if failed.exists():
-            raise CaptureEngineError(json.loads(failed.read_text())["message"])
+            message = json.loads(failed.read_text())["message"]
+            _wait_gone(directory)
+            shutil.rmtree(directory, ignore_errors=True)  # the engine left it for us
+            raise CaptureEngineError(message)
         if (directory / "ready").exists():
             key = (directory / "key").read_bytes()
             return Client(_address(directory), family="AF_UNIX", authkey=key)
@@ -545,7 +554,8 @@ def serve(directory: Path) -> None:
         if close is not None:
             close()
         log.info("capture engine %s: %d shard(s) served, stopped", directory.name, shards)
-        shutil.rmtree(directory, ignore_errors=True)
+        if not (directory / "failed.json").exists():  # else the job reads it, then removes all
+            shutil.rmtree(directory, ignore_errors=True)
         if not owner_alive(spec["owner"]):
             # No job of a dead run can be choosing an engine: its lock file goes too.
             prefix = directory.name.rsplit("-", 1)[0]

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from . import layout
-from .errors import UserError
-from .gpu_slots import job_gpus
+from .. import layout
+from ..errors import UserError
+from ..gpu_slots import job_gpus
 
 
 class PhaseError(UserError, RuntimeError):

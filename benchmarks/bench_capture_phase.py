@@ -1,0 +1,176 @@
+"""One load of the target per capture phase: loads and wall time of the capture, per run.
+
+    .venv/bin/python benchmarks/bench_capture_phase.py                        # transformers, ~6 min
+    .venv-sglang/bin/python benchmarks/bench_capture_phase.py --backend sglang  # real SGLang CPU
+
+One workflow (``tests/support/workflow.py``: the README's Snakemake command in a temporary
+copy) generates and tokenizes ``--prompts`` conversations once; then the capture alone
+(``snakemake <manifest> --until hidden_states``, the shards deleted before each run) is timed
+three ways, round by round in one process, the order rotated every round:
+
+* ``per-shard``: ``engine_lifetime: shard`` (every shard job loads the target: before);
+* ``per-phase``: the default, the same shards (now);
+* ``one shard``: the default, ``shard_bytes`` large enough for one shard of the same tokens.
+
+Loads are counted from outside the code that avoids them: the transformers backend's
+``HiddenStateExtractor`` builds (``tests/support/instrument``), SGLang's engine starts (the
+"started capture engine" lines, or one per shard job when each loads its own). Reported:
+median wall seconds per way, loads per run, and the ratios per-phase / one shard (the goal:
+at most 1.1) and per-shard / per-phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_hidden_states import demo_model_dir  # noqa: E402
+from support.workflow import Workflow, new_workflow, sharegpt_prompts, write_prompts  # noqa: E402
+
+INSTRUMENT = REPO / "tests" / "support" / "instrument"
+RESULTS = "results/hidden_states/A1"
+MANIFEST = f"{RESULTS}/manifest.json"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--backend", choices=["transformers", "sglang"], default="transformers")
+    p.add_argument("--prompts", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=96, help="generated tokens per response")
+    p.add_argument("--shards", type=int, default=8, help="about this many shards per-shard")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    return p.parse_args()
+
+
+def sglang_model(scratch: Path) -> Path:
+    from support.target_models import make_llama_dir
+
+    return make_llama_dir(scratch / "tiny-llama")
+
+
+def capture_settings(backend: str) -> dict[str, Any]:
+    if backend == "transformers":
+        return {"backend": "transformers", "dtype": "float32", "batch_tokens": 2048}
+    from support.sglang_cpu import CPU_ENGINE_ARGS
+
+    return {
+        "backend": "sglang",
+        "device": "cpu",
+        "dtype": "bfloat16",
+        "batch_tokens": 2048,
+        "sglang": {
+            "tp_size": 1,
+            "mem_fraction_static": 0.5,
+            "extra_args": {k: v for k, v in CPU_ENGINE_ARGS.items() if k != "device"},
+        },
+    }
+
+
+def shard_bytes_for(wf: Workflow, shards: int) -> int:
+    """A shard size that splits the dataset into about ``shards`` shards."""
+    plan = json.loads(wf.path(f"{RESULTS}/plan.json").read_text())
+    return max(1, plan["estimated_bytes"] // shards)
+
+
+def loads(wf: Workflow, backend: str) -> int:
+    if backend == "transformers":
+        path = wf.path("loads.jsonl")
+        return len(path.read_text().splitlines()) if path.exists() else 0
+    # SGLang: an engine per "started capture engine" line, or per shard job loading its own.
+    logs = "".join(p.read_text() for p in wf.path("logs/hidden_states/A1").glob("*.log"))
+    started = logs.count("started capture engine")
+    return started or logs.count("starting sglang capture engine")
+
+
+def capture_run(
+    wf: Workflow, backend: str, lifetime: str, shard_bytes: int
+) -> tuple[float, int, int]:
+    """Wall seconds, loads and shards of one capture of the dataset."""
+    wf.config["hidden_states"].update(engine_lifetime=lifetime, shard_bytes=shard_bytes)
+    wf.write_config()
+    for path in [*wf.path(RESULTS).glob("shard-*.h5"), *wf.path("logs/hidden_states/A1").glob("*")]:
+        path.unlink()
+    wf.path("loads.jsonl").unlink(missing_ok=True)
+    wf.run(f"{RESULTS}/plan.json")  # a new shard size plans anew: not part of the capture
+    start = time.perf_counter()
+    wf.run(MANIFEST, "--until", "hidden_states", timeout=3600)
+    wall = time.perf_counter() - start
+    return wall, loads(wf, backend), len(list(wf.path(RESULTS).glob("shard-*.h5")))
+
+
+def main() -> int:
+    args = parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="bench-capture-phase-"))
+    try:
+        model = demo_model_dir(scratch) if args.backend == "transformers" else sglang_model(scratch)
+        prompts = write_prompts(scratch / "prompts.jsonl", sharegpt_prompts(args.prompts))
+        wf = new_workflow(
+            scratch,
+            model,
+            {"A1": {"path": str(prompts), "format": "sharegpt"}},
+            generation={"sampling": {"temperature": 0.0, "max_tokens": args.max_tokens}},
+            hidden_states={**capture_settings(args.backend), "shard_bytes": 2**40},
+        )
+        wf.env.update(
+            PYTHONPATH=os.pathsep.join([str(INSTRUMENT), os.environ.get("PYTHONPATH", "")]),
+            EAGLE3DATA_LOAD_LOG=str(wf.path("loads.jsonl")),
+        )
+        if args.backend == "sglang":
+            from support.sglang_cpu import sglang_env
+
+            wf.env.update(sglang_env({}, ranks=1))
+        wf.run(f"{RESULTS}/plan.json", timeout=3600)  # prompts, generation, tokenize: once
+        small = shard_bytes_for(wf, args.shards)
+        ways = {
+            "per-shard": ("shard", small),
+            "per-phase": ("phase", small),
+            "one shard": ("phase", 2**40),
+        }
+        results: dict[str, list[tuple[float, int, int]]] = {name: [] for name in ways}
+        names = list(ways)
+        for r in range(args.rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                lifetime, shard_bytes = ways[name]
+                results[name].append(capture_run(wf, args.backend, lifetime, shard_bytes))
+                wall, n_loads, n_shards = results[name][-1]
+                print(f"round {r + 1} {name}: {wall:.1f} s, {n_loads} load(s), {n_shards} shard(s)")
+        median = {name: statistics.median(w for w, _, _ in runs) for name, runs in results.items()}
+        summary = {
+            "backend": args.backend,
+            "rounds": args.rounds,
+            "ways": {
+                name: {
+                    "median_wall_s": round(median[name], 2),
+                    "loads": results[name][-1][1],
+                    "shards": results[name][-1][2],
+                }
+                for name in names
+            },
+            "per_phase_over_one_shard": round(median["per-phase"] / median["one shard"], 3),
+            "per_shard_over_per_phase": round(median["per-shard"] / median["per-phase"], 3),
+        }
+        print(json.dumps(summary, indent=2))
+        if args.json:
+            args.json.write_text(json.dumps(summary, indent=2))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

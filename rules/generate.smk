@@ -1,3 +1,6 @@
+from eagle3data.generation.engines import is_streaming
+
+
 rule generate:
     input:
         prompts=rules.prompts.output.prompts,
@@ -12,7 +15,10 @@ rule generate:
         "logs/generate/{dataset}.log",
     conda:
         "../envs/generate.yaml"
-    threads: workflow.cores
+    # In-process generation takes the machine; HTTP generation waits on the servers, so
+    # every dataset's job runs at once, sharing each endpoint's concurrency (a slot pool:
+    # eagle3data.generation.engines.endpoint_slots).
+    threads: 1 if is_streaming(config["generation"]["backend"]) else workflow.cores
     resources:
         # GPUs this job takes (0 on CPU and for the openai backend); see gpu_slots.
         gpu=job_gpus(config, "generation"),

@@ -68,6 +68,7 @@ from .engines import (
     TransientError,
     TurnFailure,
 )
+from .engines.endpoint_slots import SLOT_POLL_S
 from .engines.server_queue import SentRequest, queued_positions
 from .journal import JournalWriter, read_journal
 from .records import (
@@ -721,6 +722,14 @@ async def _converse(engine: AsyncEngine, flight: _InFlight) -> JournalRecord:
     return conv.record()
 
 
+def _unused_slot_back(engine: Any, flight: _InFlight) -> None:
+    """A conversation's task ended: the room taken for its first request goes back if
+    that request never took it (cancelled first, even before the task ran)."""
+    if flight.trace.slot is not None:
+        slot, flight.trace.slot = flight.trace.slot, None
+        engine.return_slot(slot)
+
+
 def _estimated_tokens(abandoned: Iterable[AbandonedRecord]) -> int:
     """The part of abandoned records' decode that no server reported."""
     return sum(r["completion_tokens_spent"] for r in abandoned if r["spent_source"] == "estimate")
@@ -887,6 +896,10 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
     try:
         await engine.start()
         follow_queues = bool(getattr(engine, "reports_queues", False))
+        # Endpoints shared with the run's other jobs: a conversation is sent only with room
+        # for it, so the in-flight set (and every plan made with it) holds only what the
+        # servers have, never conversations waiting for another job's requests to end.
+        take_slots = engine.take_slots if getattr(engine, "shares_slots", False) else None
         last_poll = -math.inf
         while not run.sel.complete and not stop.is_set():
             if follow_queues and in_flight and time.monotonic() - last_poll >= QUEUE_POLL_S:
@@ -895,19 +908,32 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
                 if run.sel.complete:  # an answer kept while cancelling decided the prefix
                     break
             free = engine.capacity - len(in_flight)
-            if free > 0:
-                busy = {flight.pos for flight in in_flight.values()}
-                for pos in run.plan(free, busy):
-                    flight = _InFlight(pos, Conversation(run.by_id[run.order[pos]]))
-                    in_flight[asyncio.ensure_future(_converse(engine, flight))] = flight
-                    # Again when a queue gauge first shows it decoding (_follow_queues).
-                    run.clock.dispatched(pos)
+            busy = {flight.pos for flight in in_flight.values()}
+            planned = run.plan(free, busy) if free > 0 else []
+            slots: list[Any] = [None] * len(planned)
+            waiting_for_slots = False
+            if take_slots is not None:
+                slots = take_slots(len(planned))  # fewer when the other jobs hold the rest
+                waiting_for_slots = len(slots) < len(planned)
+                planned = planned[: len(slots)]  # the plan's first: it is in order
+            for pos, slot in zip(planned, slots, strict=True):
+                flight = _InFlight(pos, Conversation(run.by_id[run.order[pos]]))
+                task = asyncio.ensure_future(_converse(engine, flight))
+                if slot is not None:
+                    flight.trace.slot = slot
+                    task.add_done_callback(lambda _, f=flight: _unused_slot_back(engine, f))
+                in_flight[task] = flight
+                # Again when a queue gauge first shows it decoding (_follow_queues).
+                run.clock.dispatched(pos)
             run.progress.in_flight = len(in_flight)
-            if not in_flight:
+            if not in_flight and not waiting_for_slots:
                 raise AssertionError("nothing in flight for an undecided prefix")  # unreachable
+            timeout = QUEUE_POLL_S if follow_queues else None
+            if waiting_for_slots:  # slots the other jobs free are seen only by looking
+                timeout = SLOT_POLL_S
             done, _ = await asyncio.wait(
                 [*in_flight, stopper],
-                timeout=QUEUE_POLL_S if follow_queues else None,
+                timeout=timeout,
                 return_when=asyncio.FIRST_COMPLETED,
             )
             finished = []

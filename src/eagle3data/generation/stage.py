@@ -13,6 +13,7 @@ from ..prompts.table import iter_prompts
 from ..target import check_remote_code
 from .driver import ErrorLimits, GenerationJob, Prompt, run_generation, write_outputs
 from .engines import build_engine, is_streaming
+from .engines.endpoint_slots import slot_root
 from .records import summarise
 from .settings import generation_key, model_fingerprint
 
@@ -58,9 +59,13 @@ def generate(
         progress_interval_s=execution["progress_interval_s"],
     )
     streaming = is_streaming(settings["backend"])
+    # HTTP: each endpoint's concurrency is the run's, shared with the other datasets' jobs.
+    slot_dir = slot_root(results) if streaming else None
     result = run_generation(
         job,
-        lambda: build_engine(settings, execution, threads=threads, label=dataset),
+        lambda: build_engine(
+            settings, execution, threads=threads, label=dataset, slot_dir=slot_dir
+        ),
         streaming=streaming,
         error_limits=ErrorLimits(
             max_consecutive_failures=execution["max_consecutive_failures"],

@@ -85,6 +85,9 @@ class RequestTrace:
     endpoint: str | None = None  # where the current request went
     sent_at: float | None = None  # time.monotonic() when it was sent; None: not sent
     decoded_on_cancel: int | None = None
+    # Room the driver took for the conversation's first request, from an engine that shares
+    # its endpoints with other jobs (``take_slots``): the engine uses it and sets this None.
+    slot: Any = None
 
 
 CURRENT_REQUEST: ContextVar[RequestTrace | None] = ContextVar("current_request", default=None)
@@ -126,6 +129,10 @@ class AsyncEngine(Protocol):
 
     # Optional: ``notes``, a mapping of counters about the servers (e.g. endpoints that
     # fell back to text), which the driver copies into the stats; read with getattr.
+    # Optional: ``shares_slots``, True when the endpoints' concurrency is shared with other
+    # jobs of the run; the driver then takes room for each new conversation before sending
+    # it (``take_slots(n)``, each passed in its RequestTrace.slot) and gives back what a
+    # cancelled conversation did not use (``return_slot(slot)``).
 
 
 def is_streaming(backend: str) -> bool:
@@ -139,18 +146,21 @@ def build_engine(
     *,
     threads: int | None = None,
     label: str = "generation",
+    slot_dir: str | os.PathLike[str] | None = None,
 ) -> Engine | AsyncEngine:
     """The engine of ``settings["backend"]``.
 
     ``settings`` is what changes the output (:func:`..settings.generation_settings`, the
     rule's params); ``execution`` says how to run (device, endpoints, concurrency, ...);
-    ``label`` (the dataset) names the engine's own progress lines.
+    ``label`` (the dataset) names the engine's own progress lines; ``slot_dir`` (HTTP
+    engines) is where the run's endpoint slots are: each endpoint's ``concurrency`` is then
+    shared with the run's other generate jobs (:mod:`.endpoint_slots`).
     """
     backend = settings["backend"]
     if backend == "transformers":
         return _transformers_engine(settings, execution, threads, label)
     if backend == "openai":
-        return _openai_engine(settings, execution)
+        return _openai_engine(settings, execution, slot_dir)
     raise ValueError(f"generation.backend must be one of {list(BACKENDS)}, got {backend!r}")
 
 
@@ -173,7 +183,11 @@ def _transformers_engine(
     )
 
 
-def _openai_engine(settings: Mapping[str, Any], execution: Mapping[str, Any]) -> AsyncEngine:
+def _openai_engine(
+    settings: Mapping[str, Any],
+    execution: Mapping[str, Any],
+    slot_dir: str | os.PathLike[str] | None = None,
+) -> AsyncEngine:
     from .openai_engine import HttpSettings, OpenAIEngine
 
     api_key = None
@@ -192,6 +206,7 @@ def _openai_engine(settings: Mapping[str, Any], execution: Mapping[str, Any]) ->
         max_retries=execution["max_retries"],
         extra_body=settings["extra_body"],
         return_token_ids=execution.get("return_token_ids", True),
+        slot_dir=None if slot_dir is None else os.fspath(slot_dir),
     )
     return OpenAIEngine(
         http,

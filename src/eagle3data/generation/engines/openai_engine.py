@@ -61,6 +61,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -83,6 +84,7 @@ from . import (
     TransientError,
     TurnFailure,
 )
+from .endpoint_slots import SLOT_POLL_S, EndpointSlots, allow_open_files
 from .server_queue import QueueGauge, ServerQueue, gauge_for
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,9 @@ class HttpSettings:
     health_check_timeout_s: float = 10.0
     extra_body: Mapping[str, Any] = field(default_factory=dict)
     return_token_ids: bool = True  # ask for the ids of each turn (see token_ids_of)
+    # Where the run's endpoint slots are (:mod:`.endpoint_slots`): ``concurrency`` is then
+    # shared with every other job of the run that uses them; None: this engine's own.
+    slot_dir: str | None = None
 
 
 @dataclass
@@ -125,21 +130,71 @@ class _Endpoint:
     token_ids: bool = True  # False once it refused return_token_ids or sent odd ids
     abortable: bool = False  # SGLang: requests carry a rid and are aborted by it
     queue_gauge: QueueGauge | None = None  # where it reports its running and waiting requests
+    slots: EndpointSlots | None = None  # shared with the run's other jobs, when they are
+
+
+@dataclass
+class Lease:
+    """Room for one request on one endpoint: a place in this engine's ``concurrency`` and,
+    where the endpoint's slots are shared, the slot it holds (:mod:`.endpoint_slots`)."""
+
+    endpoint: _Endpoint
+    slot: int | None = None
 
 
 class EndpointPool:
-    """Fewest-in-flight choice among endpoints that are not paused."""
+    """Fewest-in-flight choice among endpoints that are not paused.
 
-    def __init__(self, urls: Sequence[str], concurrency: int, max_failures: int, pause_s: float):
+    With ``slot_dir`` (:meth:`open_slots`), each endpoint's ``concurrency`` is shared with
+    the other jobs of the run: a request also needs one of its slots, which it holds until
+    its answer is read."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        concurrency: int,
+        max_failures: int,
+        pause_s: float,
+        slot_dir: str | None = None,
+    ):
         self.endpoints = [_Endpoint(u.rstrip("/")) for u in urls]
         self.concurrency = concurrency
         self.max_failures = max_failures
         self.pause_s = pause_s
+        self.slot_dir = slot_dir
         self._changed = asyncio.Condition()
+        self._waiting = 0  # requests waiting in acquire()
+        self._unsent = 0  # what the last take() could not give
 
     @property
     def capacity(self) -> int:
         return self.concurrency * len(self.endpoints)
+
+    @property
+    def shared(self) -> bool:
+        """Whether the endpoints' slots are shared with the run's other jobs."""
+        return self.slot_dir is not None
+
+    def open_slots(self) -> None:
+        """Join each endpoint's shared slots (nothing without ``slot_dir``)."""
+        if self.slot_dir is None:
+            return
+        allow_open_files(self.capacity)
+        for endpoint in self.endpoints:
+            endpoint.slots = EndpointSlots(Path(self.slot_dir), endpoint.url, self.concurrency)
+            log.info(
+                "%s: its %d requests in flight are shared with the run's other generate jobs "
+                "(slots in %s)",
+                endpoint.url,
+                self.concurrency,
+                endpoint.slots.directory,
+            )
+
+    def close_slots(self) -> None:
+        for endpoint in self.endpoints:
+            if endpoint.slots is not None:
+                endpoint.slots.close()
+                endpoint.slots = None
 
     def _available(self) -> list[_Endpoint]:
         now = time.monotonic()
@@ -147,25 +202,72 @@ class EndpointPool:
             e for e in self.endpoints if e.paused_until <= now and e.in_flight < self.concurrency
         ]
 
-    async def acquire(self) -> _Endpoint:
-        async with self._changed:
-            while True:
-                free = self._available()
-                if free:
-                    chosen = min(free, key=lambda e: e.in_flight)
-                    chosen.in_flight += 1
-                    return chosen
-                # Wake on a release, or when the earliest pause ends.
-                now = time.monotonic()
-                pauses = [e.paused_until - now for e in self.endpoints if e.paused_until > now]
-                timeout = max(min(pauses), 0.01) if pauses else None
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), timeout)
+    def _lease_now(self) -> Lease | None:
+        """Room for a request now on the least busy endpoint that has some, or None."""
+        for endpoint in sorted(self._available(), key=lambda e: e.in_flight):
+            slot = None
+            if endpoint.slots is not None:
+                slot = endpoint.slots.take()
+                if slot is None:
+                    continue
+            endpoint.in_flight += 1
+            return Lease(endpoint, slot)
+        return None
 
-    async def release(self, endpoint: _Endpoint, *, healthy: bool | None) -> None:
+    def _say_wanted(self) -> None:
+        """Tell the other jobs whether requests of ours wait for a slot."""
+        waiting = self._waiting + self._unsent > 0
+        for endpoint in self.endpoints:
+            if endpoint.slots is not None:
+                endpoint.slots.want(waiting)
+
+    def take(self, n: int) -> list[Lease]:
+        """Room for up to ``n`` requests now, without waiting (the driver sends that many
+        new conversations); what it could not give counts as wanted until the next call."""
+        leases = []
+        while len(leases) < n and (lease := self._lease_now()) is not None:
+            leases.append(lease)
+        self._unsent = n - len(leases)
+        self._say_wanted()
+        return leases
+
+    async def acquire(self) -> Lease:
+        async with self._changed:
+            self._waiting += 1
+            try:
+                while True:
+                    lease = self._lease_now()
+                    if lease is not None:
+                        return lease
+                    self._say_wanted()
+                    # Wake on a release, when the earliest pause ends, or (shared slots,
+                    # freed by other processes) at the next look.
+                    now = time.monotonic()
+                    pauses = [e.paused_until - now for e in self.endpoints if e.paused_until > now]
+                    if self.shared:
+                        pauses.append(SLOT_POLL_S)
+                    timeout = max(min(pauses), 0.01) if pauses else None
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), timeout)
+            finally:
+                self._waiting -= 1
+                self._say_wanted()
+
+    def give_back(self, lease: Lease) -> None:
+        """Free room no request used (a conversation cancelled before it sent anything).
+        Only leases of :meth:`take` come back this way: where they exist, requests waiting
+        in :meth:`acquire` look again at the next poll."""
+        endpoint = lease.endpoint
+        endpoint.in_flight -= 1
+        if lease.slot is not None and endpoint.slots is not None:
+            endpoint.slots.give(lease.slot)
+            self._say_wanted()
+
+    async def release(self, lease: Lease, *, healthy: bool | None) -> None:
         """``healthy`` None: the request ended without telling anything about the server."""
         async with self._changed:
-            endpoint.in_flight -= 1
+            endpoint = lease.endpoint
+            self.give_back(lease)
             if healthy:
                 endpoint.consecutive_failures = 0
             elif healthy is False:
@@ -384,6 +486,7 @@ class OpenAIEngine:
             settings.concurrency,
             settings.endpoint_max_failures,
             settings.endpoint_pause_s,
+            settings.slot_dir,
         )
         self._session: aiohttp.ClientSession | None = None
         self.token_ids_fallbacks = 0  # endpoints asked in text after refusing the ids
@@ -397,6 +500,21 @@ class OpenAIEngine:
         """Counters about the servers, for the stats: ``token_ids_fallbacks``, endpoints
         that refused ``return_token_ids`` or sent ids in a shape we do not know."""
         return {"token_ids_fallbacks": self.token_ids_fallbacks}
+
+    @property
+    def shares_slots(self) -> bool:
+        """Whether each endpoint's ``concurrency`` is shared with the run's other jobs: the
+        driver then sends a conversation only with room for it (:meth:`take_slots`)."""
+        return self.pool.shared
+
+    def take_slots(self, n: int) -> list[Lease]:
+        """Room for up to ``n`` requests now, without waiting: each goes with one new
+        conversation (:attr:`RequestTrace.slot`), whose first request uses it; one not used
+        comes back through :meth:`return_slot`."""
+        return self.pool.take(n)
+
+    def return_slot(self, lease: Lease) -> None:
+        self.pool.give_back(lease)
 
     @property
     def reports_queues(self) -> bool:
@@ -458,9 +576,11 @@ class OpenAIEngine:
                 total=self.settings.request_timeout_s, connect=self.settings.connect_timeout_s
             ),
         )
+        self.pool.open_slots()
         await self._health_check()
 
     async def close(self) -> None:
+        self.pool.close_slots()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -525,7 +645,12 @@ class OpenAIEngine:
     async def _post(self, body: dict[str, Any]) -> Completion | TurnFailure:
         assert self._session is not None, "call start() first"
         trace = CURRENT_REQUEST.get()
-        endpoint = await self.pool.acquire()
+        lease = trace.slot if trace is not None else None
+        if trace is not None:
+            trace.slot = None  # taken by the driver for the conversation's first request
+        if lease is None:
+            lease = await self.pool.acquire()
+        endpoint = lease.endpoint
         healthy: bool | None = False
         try:
             url = f"{endpoint.url}/chat/completions"
@@ -555,7 +680,7 @@ class OpenAIEngine:
             healthy = None  # we hung up (a stop, or the budget is reached): no verdict
             raise
         finally:
-            await self.pool.release(endpoint, healthy=healthy)
+            await self.pool.release(lease, healthy=healthy)
 
     async def _send_cancellable(
         self, endpoint: _Endpoint, url: str, body: Mapping[str, Any], trace: RequestTrace | None

@@ -2,15 +2,20 @@
 
     .venv/bin/python benchmarks/bench_capture_phase.py                        # transformers, ~6 min
     .venv-sglang/bin/python benchmarks/bench_capture_phase.py --backend sglang  # real SGLang CPU
+    bash tests/vllm/setup.sh && .venv/bin/python benchmarks/bench_capture_phase.py --backend vllm
 
 One workflow (``tests/support/workflow.py``: the README's Snakemake command in a temporary
 copy) generates and tokenizes ``--prompts`` conversations once; then the capture alone
-(``snakemake <manifest> --until hidden_states``, the shards deleted before each run) is timed
+(``snakemake`` with the shard files as targets, the shards deleted before each run) is timed
 three ways, round by round in one process, the order rotated every round:
 
 * ``per-shard``: ``engine_lifetime: shard`` (every shard job loads the target: before);
 * ``per-phase``: the default, the same shards (now);
 * ``one shard``: the default, ``shard_bytes`` large enough for one shard of the same tokens.
+
+With ``--backend vllm`` the target is loaded once by the capture server the user runs
+(``tests/support/vllm_server.py``'s, float32 on the CPU, started once here), so only the
+last two ways are timed: what many shards cost over one.
 
 Loads are counted from outside the code that avoids them: the transformers backend's
 ``HiddenStateExtractor`` builds (``tests/support/instrument``), SGLang's engine starts (the
@@ -22,6 +27,7 @@ at most 1.1) and per-shard / per-phase.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -47,7 +53,7 @@ MANIFEST = f"{RESULTS}/manifest.json"
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--backend", choices=["transformers", "sglang"], default="transformers")
+    p.add_argument("--backend", choices=["transformers", "sglang", "vllm"], default="transformers")
     p.add_argument("--prompts", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=96, help="generated tokens per response")
     p.add_argument("--shards", type=int, default=8, help="about this many shards per-shard")
@@ -56,15 +62,17 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def sglang_model(scratch: Path) -> Path:
+def tiny_llama(scratch: Path) -> Path:
     from support.target_models import make_llama_dir
 
     return make_llama_dir(scratch / "tiny-llama")
 
 
-def capture_settings(backend: str) -> dict[str, Any]:
+def capture_settings(backend: str, url: str | None = None) -> dict[str, Any]:
     if backend == "transformers":
         return {"backend": "transformers", "dtype": "float32", "batch_tokens": 2048}
+    if backend == "vllm":
+        return {"backend": "vllm", "dtype": "float32", "batch_tokens": 2048, "vllm": {"url": url}}
     from support.sglang_cpu import CPU_ENGINE_ARGS
 
     return {
@@ -87,6 +95,8 @@ def shard_bytes_for(wf: Workflow, shards: int) -> int:
 
 
 def loads(wf: Workflow, backend: str) -> int:
+    if backend == "vllm":
+        return 0  # the server's one load, before any run
     if backend == "transformers":
         path = wf.path("loads.jsonl")
         return len(path.read_text().splitlines()) if path.exists() else 0
@@ -106,70 +116,102 @@ def capture_run(
         path.unlink()
     wf.path("loads.jsonl").unlink(missing_ok=True)
     wf.run(f"{RESULTS}/plan.json")  # a new shard size plans anew: not part of the capture
+    plan = json.loads(wf.path(f"{RESULTS}/plan.json").read_text())
+    targets = [f"{RESULTS}/shard-{s['shard']:05d}.h5" for s in plan["shards"]]
     start = time.perf_counter()
-    wf.run(MANIFEST, "--until", "hidden_states", timeout=3600)
+    wf.run(*targets, timeout=3600)
     wall = time.perf_counter() - start
     return wall, loads(wf, backend), len(list(wf.path(RESULTS).glob("shard-*.h5")))
+
+
+def vllm_capture_server(model: Path, scratch: Path) -> Any:
+    from support.vllm_server import HiddenStateCapture, VLLMServer
+
+    from eagle3data.hidden_states.layers import resolve_aux_layers
+    from eagle3data.hidden_states.vllm_capture import vllm_layer_ids
+
+    aux = resolve_aux_layers("auto", 8, "layer_output")  # the tiny Llama's 8 layers
+    return VLLMServer(
+        model,
+        capture=HiddenStateCapture(vllm_layer_ids(aux), scratch / "vllm-storage"),
+        reasoning_parser=None,
+        tool_call_parser=None,
+        max_num_seqs=8,
+        extra_args=["--dtype", "float32"],
+        log_path=scratch / "vllm-server.log",
+    )
 
 
 def main() -> int:
     args = parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="bench-capture-phase-"))
-    try:
-        model = demo_model_dir(scratch) if args.backend == "transformers" else sglang_model(scratch)
-        prompts = write_prompts(scratch / "prompts.jsonl", sharegpt_prompts(args.prompts))
-        wf = new_workflow(
-            scratch,
-            model,
-            {"A1": {"path": str(prompts), "format": "sharegpt"}},
-            generation={"sampling": {"temperature": 0.0, "max_tokens": args.max_tokens}},
-            hidden_states={**capture_settings(args.backend), "shard_bytes": 2**40},
-        )
-        wf.env.update(
-            PYTHONPATH=os.pathsep.join([str(INSTRUMENT), os.environ.get("PYTHONPATH", "")]),
-            EAGLE3DATA_LOAD_LOG=str(wf.path("loads.jsonl")),
-        )
-        if args.backend == "sglang":
-            from support.sglang_cpu import sglang_env
-
-            wf.env.update(sglang_env({}, ranks=1))
-        wf.run(f"{RESULTS}/plan.json", timeout=3600)  # prompts, generation, tokenize: once
-        small = shard_bytes_for(wf, args.shards)
-        ways = {
-            "per-shard": ("shard", small),
-            "per-phase": ("phase", small),
-            "one shard": ("phase", 2**40),
-        }
-        results: dict[str, list[tuple[float, int, int]]] = {name: [] for name in ways}
-        names = list(ways)
-        for r in range(args.rounds):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for name in order:
-                lifetime, shard_bytes = ways[name]
-                results[name].append(capture_run(wf, args.backend, lifetime, shard_bytes))
-                wall, n_loads, n_shards = results[name][-1]
-                print(f"round {r + 1} {name}: {wall:.1f} s, {n_loads} load(s), {n_shards} shard(s)")
-        median = {name: statistics.median(w for w, _, _ in runs) for name, runs in results.items()}
-        summary = {
-            "backend": args.backend,
-            "rounds": args.rounds,
-            "ways": {
-                name: {
-                    "median_wall_s": round(median[name], 2),
-                    "loads": results[name][-1][1],
-                    "shards": results[name][-1][2],
-                }
-                for name in names
-            },
-            "per_phase_over_one_shard": round(median["per-phase"] / median["one shard"], 3),
-            "per_shard_over_per_phase": round(median["per-shard"] / median["per-phase"], 3),
-        }
-        print(json.dumps(summary, indent=2))
-        if args.json:
-            args.json.write_text(json.dumps(summary, indent=2))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+        # The demo model in-process; the tiny Llama of the engine suites for the engines.
+        demo = args.backend == "transformers"
+        model = demo_model_dir(scratch) if demo else tiny_llama(scratch)
+        url = None
+        if args.backend == "vllm":
+            url = stack.enter_context(vllm_capture_server(model, scratch)).url
+        run(args, scratch, model, url)
     return 0
+
+
+def run(args: argparse.Namespace, scratch: Path, model: Path, url: str | None) -> None:
+    """Generate and tokenize once, then time the capture every way, round by round."""
+    prompts = write_prompts(scratch / "prompts.jsonl", sharegpt_prompts(args.prompts))
+    wf = new_workflow(
+        scratch,
+        model,
+        {"A1": {"path": str(prompts), "format": "sharegpt"}},
+        generation={"sampling": {"temperature": 0.0, "max_tokens": args.max_tokens}},
+        hidden_states={**capture_settings(args.backend, url), "shard_bytes": 2**40},
+    )
+    wf.env.update(
+        PYTHONPATH=os.pathsep.join([str(INSTRUMENT), os.environ.get("PYTHONPATH", "")]),
+        EAGLE3DATA_LOAD_LOG=str(wf.path("loads.jsonl")),
+    )
+    if args.backend == "sglang":
+        from support.sglang_cpu import sglang_env
+
+        wf.env.update(sglang_env({}, ranks=1))
+    wf.run(f"{RESULTS}/plan.json", timeout=3600)  # prompts, generation, tokenize: once
+    small = shard_bytes_for(wf, args.shards)
+    ways = {
+        "per-shard": ("shard", small),
+        "per-phase": ("phase", small),
+        "one shard": ("phase", 2**40),
+    }
+    if args.backend == "vllm":
+        del ways["per-shard"]
+    results: dict[str, list[tuple[float, int, int]]] = {name: [] for name in ways}
+    names = list(ways)
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            lifetime, shard_bytes = ways[name]
+            results[name].append(capture_run(wf, args.backend, lifetime, shard_bytes))
+            wall, n_loads, n_shards = results[name][-1]
+            print(f"round {r + 1} {name}: {wall:.1f} s, {n_loads} load(s), {n_shards} shard(s)")
+    median = {name: statistics.median(w for w, _, _ in runs) for name, runs in results.items()}
+    summary = {
+        "backend": args.backend,
+        "rounds": args.rounds,
+        "ways": {
+            name: {
+                "median_wall_s": round(median[name], 2),
+                "loads": results[name][-1][1],
+                "shards": results[name][-1][2],
+            }
+            for name in names
+        },
+        "per_phase_over_one_shard": round(median["per-phase"] / median["one shard"], 3),
+    }
+    if "per-shard" in median:
+        summary["per_shard_over_per_phase"] = round(median["per-shard"] / median["per-phase"], 3)
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,8 @@ LOGS = "logs"
 
 STATUS_CACHE = f"{WORK}/status"
 GPU_LOCKS = f"{WORK}/gpu-locks"
+# One folder of request slots per generation endpoint, shared by the datasets' jobs.
+ENDPOINT_SLOTS = f"{WORK}/endpoint-slots"
 DEMO_MODEL = "resources/models/SmolLM2-135M-Instruct"
 
 

@@ -70,7 +70,7 @@ LOADING_BACKENDS = ("transformers", "sglang")
 DEFAULT_IDLE_S = 300.0
 # Each engine's own log (its load, its stop, what its backend says), one per engine.
 ENGINE_LOG_DIR = "logs/capture_engines"
-_POLL_S = 0.5
+_POLL_S = 0.25
 # An engine writes its pid file within this long of being started (Python's start).
 _BEGIN_S = 120.0
 
@@ -315,7 +315,7 @@ def _claim_engine(spec: EngineSpec, gpus: GpuRequest) -> _Claim:
                 f"free GPU(s) to start one; raise gpus.lock_timeout_s, or bound concurrency "
                 f"with `snakemake --resources gpu=N`"
             )
-        time.sleep(1.0)
+        time.sleep(_POLL_S)
 
 
 def _wait_gone(directory: Path, timeout_s: float = 60.0) -> None:

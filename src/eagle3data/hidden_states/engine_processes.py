@@ -180,9 +180,10 @@ class EngineWatch:
     def ended(self) -> list[tuple[Worker, str]]:
         return [(w, end) for w in self.workers if (end := self.end_of(w)) is not None]
 
-    def failure(self, wait_s: float = 3.0) -> str:
+    def failure(self, wait_s: float = 10.0) -> str:
         """One line naming the worker(s) whose end stopped the engine. A worker that hit
-        an exception signals the job first and exits just after: wait a little for it."""
+        an exception signals the job first and exits just after: wait a little for it
+        (10 s: on a loaded 2-core machine a failed scheduler took more than 3 s to exit)."""
         deadline = time.monotonic() + wait_s
         ended = self.ended()
         while not ended and time.monotonic() < deadline:

@@ -43,12 +43,10 @@ import uuid
 from collections import deque
 from pathlib import Path
 
-from ...layout import WORK, Results
+from ...layout import ENDPOINT_SLOTS, Results
 
 log = logging.getLogger(__name__)
 
-# The parent of the endpoints' slot folders, under the workflow directory.
-ENDPOINT_SLOTS = f"{WORK}/endpoint-slots"
 SLOT_DIR_ENV = "EAGLE3DATA_ENDPOINT_SLOT_DIR"
 # How stale this job's view of the other jobs (how many, which want) may be; also how often
 # a job with requests it cannot send looks for a free slot again.

@@ -392,18 +392,30 @@ def capture_with_engine(*, job_gpus: GpuRequest, **shard_request: Any) -> None:
 
 
 def stop_engines(owner: str | None = None, timeout_s: float = 120.0) -> None:
-    """Stop this run's engines and wait until they are gone (their clean-up done)."""
+    """Stop this run's engines and wait until they are gone, with every process they
+    started (SGLang's workers, multiprocessing's resource tracker, which unlinks what
+    the engine leaves in /dev/shm as it ends)."""
+    from .engine_processes import Worker, descendants, is_running
+
     owner = owner or os.environ.get(OWNER_ENV)
     if not owner:
         return
-    directories = sorted(engines_root().glob(f"{_digest(owner)}-*-*"))
-    for directory in directories:
-        if directory.is_dir():
+    engines: list[tuple[int, str]] = []
+    for directory in sorted(engines_root().glob(f"{_digest(owner)}-*-*")):
+        with contextlib.suppress(OSError, ValueError):
+            pid, started = (directory / "pid").read_text().split()
+            engines.append((int(pid), started))
+        with contextlib.suppress(OSError):
             (directory / "stop").touch()
+    seen: dict[tuple[int, int], Worker] = {}
     deadline = time.monotonic() + timeout_s
-    for directory in directories:
-        while directory.exists() and _alive(directory) and time.monotonic() < deadline:
-            time.sleep(0.2)
+    while time.monotonic() < deadline:
+        running = [pid for pid, started in engines if _started(pid) == started]
+        for pid in running:
+            seen.update({(w.pid, w.started): w for w in descendants(pid)})
+        if not running and not any(is_running(w) for w in seen.values()):
+            break
+        time.sleep(0.1)
     for lock in engines_root().glob(f"{_digest(owner)}-*.lock"):
         lock.unlink(missing_ok=True)
 

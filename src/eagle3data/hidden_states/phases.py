@@ -97,11 +97,12 @@ def next_phase_line(config: Mapping[str, Any], root: Path = Path(".")) -> str:
     local = local_generation_endpoints(config)
     if to_generate:
         server = f"; the generation server ({', '.join(local)}) must be up" if local else ""
-        then = (
-            "capture waits until every dataset is generated and tokenized"
-            if capture_waits_for_all(config)
-            else "capture overlaps it (hidden_states.share_gpus_with_generation: false)"
-        )
+        if capture_waits_for_all(config):
+            then = "capture waits until every dataset is generated and tokenized"
+        elif config["hidden_states"].get("share_gpus_with_generation", True):
+            then = "capture overlaps it (its jobs take no GPU here)"
+        else:
+            then = "capture overlaps it (hidden_states.share_gpus_with_generation: false)"
         return (
             f"Next phase: generation of {', '.join(to_generate)}{server} "
             f"(docs/runbook.md, phase 1); {then}"

@@ -49,7 +49,9 @@ def check_paths(config):
         except PromptFormatError as exc:
             problems.append(f"datasets.{name}.path: {exc}")
     if problems:
-        raise ValueError("invalid config/config.yaml:\n  " + "\n  ".join(problems))
+        # One message, no traceback of this file (as check_config above).
+        print("invalid config:\n  " + "\n  ".join(problems), file=sys.stderr)
+        raise SystemExit(1)
 
 
 check_paths(config)

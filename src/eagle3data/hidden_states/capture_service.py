@@ -91,13 +91,15 @@ class _StopEngine(Exception):
 
 
 def _started(pid: int) -> str | None:
-    """A process's start time in clock ticks (``/proc/PID/stat`` field 22), which tells a
-    live process from a later one that got its id."""
+    """A live process's start time in clock ticks (``/proc/PID/stat`` field 22), which
+    tells it from a later one that got its id; None once it has ended (a zombie, whose
+    parent has not reaped it yet, has ended: its files are closed, its memory freed)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else fields[19]
 
 
 def owner_token(pid: int | None = None) -> str:
@@ -354,21 +356,26 @@ def capture_on_engine(spec: EngineSpec, gpus: GpuRequest, shard_request: Mapping
     claim = _claim_engine(spec, gpus)
     try:
         with _wait_ready(claim) as conn:
+            engine = _engine_process(claim.directory)
             conn.send({"op": "extract", "request": dict(shard_request)})
             while True:
                 try:
                     kind, payload = conn.recv()
                 except EOFError:
-                    raise CaptureEngineError(
+                    payload = (
                         f"capture engine {claim.directory.name} ended in the middle of the "
                         f"shard; see its log under logs/capture_engines/"
-                    ) from None
+                    )
+                    kind = "failed"
                 if kind == "log":
                     level, message = payload
                     log.log(level, "%s", message)
                 elif kind == "done":
                     return
                 else:
+                    # A failed shard stops the engine: this job ends once it is gone, as
+                    # a job that held the engine itself did.
+                    _wait_ended([engine] if engine else [])
                     raise CaptureEngineError(payload)
     finally:
         claim.release()
@@ -391,22 +398,19 @@ def capture_with_engine(*, job_gpus: GpuRequest, **shard_request: Any) -> None:
     capture_on_engine(spec, job_gpus, shard_request)
 
 
-def stop_engines(owner: str | None = None, timeout_s: float = 120.0) -> None:
-    """Stop this run's engines and wait until they are gone, with every process they
-    started (SGLang's workers, multiprocessing's resource tracker, which unlinks what
-    the engine leaves in /dev/shm as it ends)."""
+def _engine_process(directory: Path) -> tuple[int, str] | None:
+    with contextlib.suppress(OSError, ValueError):
+        pid, started = (directory / "pid").read_text().split()
+        return int(pid), started
+    return None
+
+
+def _wait_ended(engines: list[tuple[int, str]], timeout_s: float = 120.0) -> None:
+    """Until ``engines`` and every process they started are gone (SGLang's workers, and
+    multiprocessing's resource tracker, which unlinks what an engine leaves in /dev/shm
+    once the engine has ended): what a job's end meant when the job held the engine."""
     from .engine_processes import Worker, descendants, is_running
 
-    owner = owner or os.environ.get(OWNER_ENV)
-    if not owner:
-        return
-    engines: list[tuple[int, str]] = []
-    for directory in sorted(engines_root().glob(f"{_digest(owner)}-*-*")):
-        with contextlib.suppress(OSError, ValueError):
-            pid, started = (directory / "pid").read_text().split()
-            engines.append((int(pid), started))
-        with contextlib.suppress(OSError):
-            (directory / "stop").touch()
     seen: dict[tuple[int, int], Worker] = {}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -414,8 +418,23 @@ def stop_engines(owner: str | None = None, timeout_s: float = 120.0) -> None:
         for pid in running:
             seen.update({(w.pid, w.started): w for w in descendants(pid)})
         if not running and not any(is_running(w) for w in seen.values()):
-            break
+            return
         time.sleep(0.1)
+
+
+def stop_engines(owner: str | None = None, timeout_s: float = 120.0) -> None:
+    """Stop this run's engines and wait until they are gone, with all they started."""
+    owner = owner or os.environ.get(OWNER_ENV)
+    if not owner:
+        return
+    engines: list[tuple[int, str]] = []
+    for directory in sorted(engines_root().glob(f"{_digest(owner)}-*-*")):
+        process = _engine_process(directory)
+        if process is not None:
+            engines.append(process)
+        with contextlib.suppress(OSError):
+            (directory / "stop").touch()
+    _wait_ended(engines, timeout_s)
     for lock in engines_root().glob(f"{_digest(owner)}-*.lock"):
         lock.unlink(missing_ok=True)
 

@@ -62,17 +62,18 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def tiny_llama(scratch: Path) -> Path:
+def tiny_llama(scratch: Path, head_dim: int | None = None) -> Path:
     from support.target_models import make_llama_dir
 
-    return make_llama_dir(scratch / "tiny-llama")
+    return make_llama_dir(scratch / "tiny-llama", head_dim=head_dim)
 
 
 def capture_settings(backend: str, url: str | None = None) -> dict[str, Any]:
     if backend == "transformers":
         return {"backend": "transformers", "dtype": "float32", "batch_tokens": 2048}
     if backend == "vllm":
-        return {"backend": "vllm", "dtype": "float32", "batch_tokens": 2048, "vllm": {"url": url}}
+        # Batches the size tests/vllm sends: the CPU server has a small KV cache.
+        return {"backend": "vllm", "dtype": "float32", "batch_tokens": 256, "vllm": {"url": url}}
     from support.sglang_cpu import CPU_ENGINE_ARGS
 
     return {
@@ -148,12 +149,21 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, scratch, ignore_errors=True)
         # The demo model in-process; the tiny Llama of the engine suites for the engines.
-        demo = args.backend == "transformers"
-        model = demo_model_dir(scratch) if demo else tiny_llama(scratch)
+        demo, vllm = args.backend == "transformers", args.backend == "vllm"
+        # vLLM's CPU attention wants heads of 32 or more (tests/support/vllm_server.py).
+        model = demo_model_dir(scratch) if demo else tiny_llama(scratch, 32 if vllm else None)
         url = None
         if args.backend == "vllm":
-            url = stack.enter_context(vllm_capture_server(model, scratch)).url
-        run(args, scratch, model, url)
+            server = stack.enter_context(vllm_capture_server(model, scratch))
+            url = server.url
+        try:
+            run(args, scratch, model, url)
+        except Exception:
+            if args.backend == "vllm":  # the server's side of a failed capture
+                lines = (scratch / "vllm-server.log").read_text().splitlines()
+                first = next((i for i, line in enumerate(lines) if "Traceback" in line), 0)
+                print("\n".join(lines[first : first + 80]), file=sys.stderr)
+            raise
     return 0
 
 

@@ -579,7 +579,7 @@ def test_one_engine_start_per_phase_and_a_killed_run_resumes_identical(
     assert len(set(WRITER_PID.findall(logs))) == 1, "one SGLang engine wrote every shard"
     check_nothing_left(shm_baseline)
 
-    for shard in wf.path(RESULTS).glob("shard-*.h5"):
+    for shard in [*wf.path(RESULTS).glob("shard-*.h5"), wf.path(MANIFEST)]:
         shard.unlink()
     target.clear_logs()
     proc = wf.start(MANIFEST)

@@ -9,8 +9,10 @@ beat every seed of each control (its worst seed against the control's best) by m
 :data:`MARGIN` and more than the control's seed-to-seed spread. The same criterion fails
 for the draft trained on states shifted one position against
 the untrained draft: states that do not line up with their tokens fail this test. The aux
-control (each position's aux states replaced by another's) is measured, not asserted: on 30
-conversations the trained draft's lead over it is below the seed spread (BENCHMARKS.md).
+control (each position's aux states replaced by another's) is not trained here: on 30
+conversations the trained draft's lead over it is below the seed spread, so nothing could be
+asserted of it (BENCHMARKS.md measures it on the demo's shards with ``bench_draft_check.py``;
+the draft_check rule's test below trains it).
 (The workflow's 6-conversation fixture of ``tests/trainers/conftest.py`` holds out too few
 positions for a margin that clears the noise.)
 """
@@ -100,12 +102,15 @@ def _target_samples(model_dir: Path) -> list[Sample]:
     return samples
 
 
+# The variants this test asserts on (the aux control's three trainings would be a third of
+# its time, for a figure it only printed).
+VARIANTS = ("trained", "shifted", "untrained")
+
+
 def _passes(summary_margins: dict[str, dict[str, float]], control: str) -> bool:
-    return all(
-        m["worst_margin"] > max(MARGIN, m["control_spread"])
-        for key, m in summary_margins.items()
-        if key.startswith(f"{control}.")
-    )
+    found = {k: m for k, m in summary_margins.items() if k.startswith(f"{control}.")}
+    assert len(found) == 2, (control, summary_margins)  # both metrics measured
+    return all(m["worst_margin"] > max(MARGIN, m["control_spread"]) for m in found.values())
 
 
 def test_trained_draft_beats_shifted_and_untrained_controls(smollm2_dir: Path) -> None:
@@ -116,7 +121,7 @@ def test_trained_draft_beats_shifted_and_untrained_controls(smollm2_dir: Path) -
     vocab = draft_vocab(counts, 256, 49152)  # SmolLM2's vocab_size
     generated = time.monotonic() - start
     summary = run_draft_check(
-        samples, smollm2_dir, {"d2t": vocab.d2t, "t2d": vocab.t2d}, AUX, SETTINGS
+        samples, smollm2_dir, {"d2t": vocab.d2t, "t2d": vocab.t2d}, AUX, SETTINGS, VARIANTS
     )
     elapsed = time.monotonic() - start
     got = summary["margins"]
@@ -124,6 +129,7 @@ def test_trained_draft_beats_shifted_and_untrained_controls(smollm2_dir: Path) -
     means = {v: round(a["step1_agreement"]["mean"], 4) for v, a in summary["aggregate"].items()}
     print(f"draft check: data {generated:.0f} s, all {elapsed:.0f} s, step-1 {means}, {report}")
     assert summary["conversations"] == {"train": 30, "heldout": 10}
+    assert set(summary["aggregate"]) == set(VARIANTS)
     assert _passes(got, "shifted"), report
     assert _passes(got, "untrained"), report
 

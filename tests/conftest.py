@@ -1,4 +1,6 @@
-"""Session fixtures: a tiny random model, the real demo model, and workflow copies.
+"""Session fixtures: a tiny random model, the real demo model, finished workflow runs that
+several test files read (two of the tiny model, one of the demo model with the exports on),
+and workflow copies.
 
 Helpers that tests import live in ``tests/support/`` (on ``sys.path`` through
 pytest's ``pythonpath`` setting); the tests are grouped by kind: ``unit/`` (one module,
@@ -9,6 +11,7 @@ GPU machine only).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import signal
 from collections.abc import Callable, Iterator
@@ -16,7 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.workflow import Workflow, new_workflow
+from support.exported_run import DATASET, ConsumersRun, ExportedRun
+from support.workflow import (
+    Workflow,
+    alpaca_prompts,
+    new_workflow,
+    sharegpt_prompts,
+    two_datasets,
+    write_prompts,
+)
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +54,83 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
     convert_gguf(find_demo_gguf(), out)
     return out
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Workflow:
+    """One complete run of the default target (support.workflow.two_datasets: A1 to its token
+    budget, B2 to its sample cap; several shards each), read by the tests of the workflow's
+    outputs (test_workflow.py), the loader (test_loader.py) and the report (test_report_rule.py).
+    Tests that change a run work on a copy (``Workflow.copy``); the only thing a test adds
+    here is the report archive of ``snakemake --report``."""
+    base = tmp_path_factory.mktemp("finished")
+    wf = new_workflow(base, tiny_model_dir, two_datasets(base))
+    wf.run()
+    return wf
+
+
+@pytest.fixture(scope="session")
+def consumers_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> ConsumersRun:
+    """The consumer rules in the order a user meets them, on the tiny model (A1: 6 ShareGPT
+    prompts, B2: 4 Alpaca; a 40-id draft vocabulary): the dry run of the default config,
+    the draft vocabulary's target alone (it needs only the tokenized data), then the default
+    target with both exports turned on (SpecForge's; speculators' where it is installed, as
+    the README's test command installs it), built with the shards in one run. Read by
+    test_consumers.py and test_speculators_workflow.py."""
+    base = tmp_path_factory.mktemp("consumers")
+    datasets = {
+        "A1": {
+            "path": str(write_prompts(base / "A1.jsonl", sharegpt_prompts(6))),
+            "format": "sharegpt",
+        },
+        "B2": {
+            "path": str(write_prompts(base / "B2.jsonl", alpaca_prompts(4))),
+            "format": "alpaca",
+        },
+    }
+    wf = new_workflow(base, tiny_model_dir, datasets, draft_vocab={"size": 40})
+    dry_run = wf.run("-n").stdout
+    wf.run("results/vocab/draft_vocab.pt")
+    made = [d for d in datasets if wf.path(f"results/hidden_states/{d}/manifest.json").exists()]
+    vocab_log = wf.path("logs/draft_vocab/draft_vocab.log").read_text()
+    exports = {
+        "specforge": True,
+        "speculators": importlib.util.find_spec("speculators") is not None,
+    }
+    wf.config["export"] = exports
+    wf.write_config()
+    wf.run()
+    return ConsumersRun(wf, dry_run, made, vocab_log, exports)
+
+
+@pytest.fixture(scope="session")
+def exported_run(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> ExportedRun:
+    """The demo's settings through the workflow, exports on: the real demo model (SmolLM2-135M)
+    greedy, states in float32 as the CPU demo computes them, validate's agreement on with its
+    default thresholds, every position scored (the default, 2048 per shard, scores every one
+    of these few), the draft vocabulary and the SpecForge export. One run per session, read by
+    the trainers' tests (tests/trainers/) and the demo's agreement test (tests/workflow/)."""
+    import json
+
+    base = tmp_path_factory.mktemp("trainers")
+    prompts = write_prompts(base / f"{DATASET}.jsonl", sharegpt_prompts(6))
+    wf = new_workflow(
+        base,
+        smollm2_dir,
+        {DATASET: {"path": str(prompts), "format": "sharegpt"}},
+        generation={
+            "batch_size": 6,
+            "progress_interval_s": 0,
+            "sampling": {"temperature": 0.0, "max_tokens": 48},
+        },
+        hidden_states={"dtype": "float32", "max_seq_len": 1024, "batch_tokens": 2048},
+        validate={"agreement": {"enabled": True, "positions_per_shard": "all"}},
+        draft_vocab={"size": 256},
+        export={"specforge": True},
+    )
+    wf.run(timeout=900)
+    manifest = json.loads(wf.path(f"results/hidden_states/{DATASET}/manifest.json").read_text())
+    return ExportedRun(wf, smollm2_dir, manifest)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ files the workflow tests feed it."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -58,6 +59,17 @@ def alpaca_prompts(n: int) -> list[dict[str, Any]]:
     ]
 
 
+def two_datasets(base: Path) -> dict[str, dict[str, Any]]:
+    """A1 (ShareGPT, 30 prompts, token_budget 100) and B2 (Alpaca, 20 prompts, max_samples 7),
+    their prompt files written under ``base``: the run of ``finished_run`` (tests/conftest.py)."""
+    a1 = write_prompts(base / "A1.jsonl", sharegpt_prompts(30))
+    b2 = write_prompts(base / "B2.jsonl", alpaca_prompts(20))
+    return {
+        "A1": {"path": str(a1), "format": "sharegpt", "token_budget": 100},
+        "B2": {"path": str(b2), "format": "alpaca", "max_samples": 7},
+    }
+
+
 class Workflow:
     """A copy of the workflow in a temporary directory, driven like a user would."""
 
@@ -77,6 +89,16 @@ class Workflow:
 
     def write_config(self) -> None:
         (self.root / "config" / "config.yaml").write_text(yaml.safe_dump(self.config))
+
+    def copy(self, base: Path, name: str = "wf") -> Workflow:
+        """This workflow as it stands (sources, config, results, Snakemake's records, the
+        files' times), copied to ``base / name``: one finished run serves tests that change
+        it. The prompt files and the model stay where the config names them."""
+        root = base / name
+        shutil.copytree(self.root, root, symlinks=True)
+        twin = Workflow.__new__(Workflow)
+        twin.root, twin.config, twin.env = root, copy.deepcopy(self.config), dict(self.env)
+        return twin
 
     def command(self, *args: str) -> list[str]:
         # One thread per model job lets two jobs share the 2-core test machine.

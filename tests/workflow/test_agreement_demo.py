@@ -1,17 +1,21 @@
 """The demo's settings pass the agreement check end to end: SmolLM2 generating greedily in
 bfloat16 (its checkpoint dtype), hidden states in float32, validate with the default
-thresholds; the manifest carries the agreement and its control, and status shows them."""
+thresholds; the manifest carries the agreement and its control, and status shows them.
+
+The run is the session's ``exported_run`` (tests/conftest.py), shared with the trainers'
+tests: the same settings, with the exports on and every position scored, which on these
+few positions is what the default (2048 per shard) scores too (asserted below)."""
 
 from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
-from support.workflow import new_workflow, sharegpt_prompts, write_prompts
+from support.exported_run import ExportedRun
 
 from eagle3data.config import validate_config
+from eagle3data.hidden_states.agreement import DEFAULT_SETTINGS
 from eagle3data.layout import Results
 from eagle3data.monitor.snapshot import agreement_cell, token_ids_cell
 from eagle3data.monitor.status import snapshots
@@ -19,21 +23,8 @@ from eagle3data.monitor.status import snapshots
 pytestmark = pytest.mark.e2e
 
 
-def test_the_demo_model_agrees_with_its_own_tokens(tmp_path: Path, smollm2_dir: Path) -> None:
-    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(6))
-    wf = new_workflow(
-        tmp_path,
-        smollm2_dir,
-        {"A1": {"path": str(prompts), "format": "sharegpt"}},
-        generation={
-            "batch_size": 6,
-            "progress_interval_s": 0,
-            "sampling": {"temperature": 0.0, "max_tokens": 48},
-        },
-        hidden_states={"dtype": "float32", "max_seq_len": 1024, "batch_tokens": 2048},
-        validate={"agreement": {"enabled": True}},  # the default, on a real model
-    )
-    wf.run("results/hidden_states/A1/manifest.json")
+def test_the_demo_model_agrees_with_its_own_tokens(exported_run: ExportedRun) -> None:
+    wf = exported_run.workflow
     manifest = json.loads(wf.path("results/hidden_states/A1/manifest.json").read_text())
     check = manifest["agreement"]
     assert check["greedy"] and check["judged_by"] == "agreement"
@@ -42,6 +33,9 @@ def test_the_demo_model_agrees_with_its_own_tokens(tmp_path: Path, smollm2_dir: 
     assert check["agreement"] > 0.85 and check["control_agreement"] < 0.1
     assert check["mean_logprob"] > check["control_mean_logprob"] + 4
     assert [s["positions"] for s in check["shards"]] and check["settings"]["min_agreement"] == 0.8
+    # Scored all: the default sample (2048 per shard) would have taken these same positions.
+    default_count = DEFAULT_SETTINGS["positions_per_shard"]
+    assert all(s["positions"] <= default_count for s in check["shards"])
     assert any("agrees with the tokens it generated" in c for c in manifest["checks"])
 
     config = validate_config(copy.deepcopy(wf.config), wf.root / "config" / "schema.yaml")

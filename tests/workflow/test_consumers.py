@@ -1,5 +1,6 @@
 """The consumer rules in the workflow: the draft vocabulary over all datasets, and the
-optional SpecForge export of the validated shards."""
+optional SpecForge export of the validated shards (one run of them, tests/conftest.py's
+``consumers_run``, shared with the speculators export's test)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import polars as pl
 import pytest
 import torch
 from specforge.core.compact_teacher import validate_vocab_mapping_consistency
+from support.exported_run import ConsumersRun
 from support.oracles import reference_ids
-from support.workflow import Workflow, alpaca_prompts, new_workflow, sharegpt_prompts, write_prompts
 
 from eagle3data.consumers.specforge import specforge_file_name
 from eagle3data.hidden_states.final_state import load_final_norm
@@ -22,19 +23,14 @@ pytestmark = pytest.mark.e2e
 
 
 def test_the_default_target_builds_the_vocab_over_all_datasets(
-    tmp_path: Path, tiny_model_dir: Path
+    consumers_run: ConsumersRun, tiny_model_dir: Path
 ) -> None:
-    a1 = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(6))
-    b2 = write_prompts(tmp_path / "B2.jsonl", alpaca_prompts(4))
-    datasets = {
-        "A1": {"path": str(a1), "format": "sharegpt"},
-        "B2": {"path": str(b2), "format": "alpaca"},
-    }
-    wf: Workflow = new_workflow(tmp_path, tiny_model_dir, datasets, draft_vocab={"size": 40})
-    dry = wf.run("-n").stdout
-    assert "draft_vocab" in dry
-    wf.run("results/vocab/draft_vocab.pt")  # needs only the tokenized data
-    assert not wf.path("results/hidden_states/A1/manifest.json").exists()
+    wf = consumers_run.workflow
+    datasets = wf.config["datasets"]
+    assert set(datasets) == {"A1", "B2"}
+    assert "draft_vocab" in consumers_run.dry_run
+    # results/vocab/draft_vocab.pt alone needs only the tokenized data:
+    assert consumers_run.manifests_after_vocab == []
     counts: Counter[int] = Counter()
     for ds in datasets:
         df = pl.read_parquet(wf.path(f"results/tokenized/{ds}.parquet"))
@@ -50,20 +46,16 @@ def test_the_default_target_builds_the_vocab_over_all_datasets(
     assert summary["loss_tokens"] == sum(counts.values())
     assert summary["distinct_loss_tokens"] == len(counts)
     assert summary["padded_with_unseen_ids"] == max(0, 40 - len(counts))
-    assert wf.path("logs/draft_vocab/draft_vocab.log").read_text().count("draft vocabulary") == 1
+    assert consumers_run.vocab_log.count("draft vocabulary") == 1
 
 
-def test_the_workflow_exports_when_enabled(tmp_path: Path, tiny_model_dir: Path) -> None:
-    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(8))
-    datasets = {"A1": {"path": str(prompts), "format": "sharegpt"}}
-    wf: Workflow = new_workflow(tmp_path, tiny_model_dir, datasets, draft_vocab={"size": 64})
+def test_the_workflow_exports_when_enabled(
+    consumers_run: ConsumersRun, tiny_model_dir: Path
+) -> None:
+    wf = consumers_run.workflow
+    assert "export_specforge" not in consumers_run.dry_run, "off by default"
+    assert consumers_run.exports["specforge"]  # then turned on: built with the shards
     manifest_target = "results/hidden_states/A1/manifest.json"
-    wf.run(manifest_target)
-    assert "export_specforge" not in wf.run("-n").stdout, "off by default"
-
-    wf.config["export"] = {"specforge": True}
-    wf.write_config()
-    wf.run()
     out = wf.path("results/specforge/A1")
     manifest = json.loads(wf.path(manifest_target).read_text())
     index = json.loads((out / "index.json").read_text())

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.workflow import Workflow, alpaca_prompts, new_workflow, sharegpt_prompts, write_prompts
+from support.workflow import Workflow
 from torch.utils.data import DataLoader
 
 from eagle3data.loader import HiddenStateDataset, find_shards, pad_collate
@@ -19,18 +19,10 @@ from eagle3data.shards import ShardFormatError, open_shard
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Workflow:
-    base = tmp_path_factory.mktemp("loader")
-    a1 = write_prompts(base / "A1.jsonl", sharegpt_prompts(12))
-    b2 = write_prompts(base / "B2.jsonl", alpaca_prompts(6))
-    datasets = {
-        "A1": {"path": str(a1), "format": "sharegpt"},
-        "B2": {"path": str(b2), "format": "alpaca"},
-    }
-    wf = new_workflow(base, tiny_model_dir, datasets)
-    wf.run("results/hidden_states/A1/manifest.json", "results/hidden_states/B2/manifest.json")
-    return wf
+@pytest.fixture
+def finished(finished_run: Workflow) -> Workflow:
+    """The session's finished run (tests/conftest.py): A1 and B2 in several shards each."""
+    return finished_run
 
 
 def shard_dir(wf: Workflow, dataset: str) -> Path:

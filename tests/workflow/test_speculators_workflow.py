@@ -1,13 +1,13 @@
 """The workflow's speculators export: every dataset in one training folder that speculators'
-own dataset code reads, checked by the job against the manifests before it appears."""
+own dataset code reads, checked by the job against the manifests before it appears (the run
+is tests/conftest.py's ``consumers_run``, shared with the other consumer rules' tests)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from support.workflow import Workflow, alpaca_prompts, new_workflow, sharegpt_prompts, write_prompts
+from support.exported_run import ConsumersRun
 
 pytest.importorskip("speculators", reason="the README's test command installs speculators")
 
@@ -16,24 +16,12 @@ from speculators.train.data import ArrowDataset
 pytestmark = pytest.mark.e2e
 
 
-def test_the_workflow_exports_for_speculators_when_enabled(
-    tmp_path: Path, tiny_model_dir: Path
-) -> None:
-    datasets = {
-        "A1": {
-            "path": str(write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(6))),
-            "format": "sharegpt",
-        },
-        "B2": {
-            "path": str(write_prompts(tmp_path / "B2.jsonl", alpaca_prompts(4))),
-            "format": "alpaca",
-        },
-    }
-    wf: Workflow = new_workflow(tmp_path, tiny_model_dir, datasets, draft_vocab={"size": 40})
-    assert "export_speculators" not in wf.run("-n").stdout, "off by default"
-    wf.config["export"] = {"speculators": True}
-    wf.write_config()
-    wf.run()
+def test_the_workflow_exports_for_speculators_when_enabled(consumers_run: ConsumersRun) -> None:
+    wf = consumers_run.workflow
+    datasets = wf.config["datasets"]
+    assert set(datasets) == {"A1", "B2"} and wf.config["draft_vocab"]["size"] == 40
+    assert "export_speculators" not in consumers_run.dry_run, "off by default"
+    assert consumers_run.exports["speculators"]  # then turned on: built with the shards
     out = wf.path("results/speculators")
     info = json.loads((out / "export.json").read_text())
     manifests = {

@@ -7,11 +7,13 @@ second run, kill-and-resume without loss or duplication, budget changes.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
 import signal
 from pathlib import Path
+from typing import Any
 
 import h5py
 import polars as pl
@@ -19,9 +21,9 @@ import pytest
 import torch
 from support.workflow import (
     Workflow,
-    alpaca_prompts,
     new_workflow,
     sharegpt_prompts,
+    two_datasets,
     write_prompts,
 )
 
@@ -33,30 +35,26 @@ pytestmark = pytest.mark.e2e
 ROW_FIELDS = {"id", "dataset", "index", "messages", "finish_reason", "usage", "model", "sampling"}
 
 
-def _two_datasets(tmp_path: Path) -> dict[str, dict]:
-    a1 = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(30))
-    b2 = write_prompts(tmp_path / "B2.jsonl", alpaca_prompts(20))
-    return {
-        "A1": {"path": str(a1), "format": "sharegpt", "token_budget": 100},
-        "B2": {"path": str(b2), "format": "alpaca", "max_samples": 7},
-    }
+@pytest.fixture
+def finished(finished_run: Workflow) -> Workflow:
+    """One complete run (tests/conftest.py) shared by the read-only tests of this module."""
+    return finished_run
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Workflow:
-    """One complete run shared by the read-only tests of this module."""
-    base = tmp_path_factory.mktemp("finished")
-    wf = new_workflow(base, tiny_model_dir, _two_datasets(base))
-    wf.run()
+def generated_once(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Workflow:
+    """A1's responses only: generated once, copied for each test that changes it."""
+    base = tmp_path_factory.mktemp("generated")
+    wf = new_workflow(base, tiny_model_dir, two_datasets(base))
+    wf.run("results/responses/A1.jsonl")
     return wf
 
 
 @pytest.fixture
-def generated(make_workflow, tmp_path: Path) -> Workflow:
-    """A1's responses only, in a workflow of its own, for tests that change the config."""
-    wf = make_workflow(_two_datasets(tmp_path))
-    wf.run("results/responses/A1.jsonl")
-    return wf
+def generated(generated_once: Workflow, tmp_path: Path) -> Workflow:
+    """A1's responses only, in a workflow of its own (a copy of ``generated_once``: files,
+    times and Snakemake's records), for tests that change the config."""
+    return generated_once.copy(tmp_path)
 
 
 def test_responses_obey_budget_and_prefix_order(finished: Workflow) -> None:
@@ -198,14 +196,17 @@ def _shard_samples(wf: Workflow, ds: str) -> list[tuple]:
     return out
 
 
-def test_budget_changes_extract_only_new_or_changed_shards(make_workflow, tmp_path) -> None:
+def test_budget_changes_extract_only_new_or_changed_shards(
+    finished_run: Workflow, make_workflow, tmp_path
+) -> None:
     """Raising a budget appends conversations: the full shards before them are kept as
     they are (not extracted again); lowering it removes the shards beyond the plan.
-    Either way the shards equal a fresh run's."""
-    datasets = {"A1": _two_datasets(tmp_path)["A1"]}
+    Either way the shards equal a fresh run's. (The run before the change is a copy of the
+    session's finished run, A1 at token_budget 100.)"""
+    datasets = {"A1": copy.deepcopy(finished_run.config["datasets"]["A1"])}
+    assert datasets["A1"]["token_budget"] == 100
     target = "results/hidden_states/A1/manifest.json"
-    wf = make_workflow(datasets)
-    wf.run(target)
+    wf = finished_run.copy(tmp_path)
     before = _shard_files(wf, "A1")
     assert len(before) >= 3
 
@@ -308,17 +309,26 @@ def test_edited_code_reruns_nothing(generated: Workflow) -> None:
     assert "generate" in wf.run("-n", target, *all_triggers).stdout
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_killed_generation_resumes_without_loss_or_duplicates(make_workflow, tmp_path, sig) -> None:
-    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(80))
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Workflow:
+    """The responses the killed generations must end with: the same settings, not killed
+    (one run for both signals)."""
+    base = tmp_path_factory.mktemp("uninterrupted")
+    prompts = write_prompts(base / "A1.jsonl", sharegpt_prompts(80))
     datasets = {"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": 400}}
-    settings = {"generation": {"batch_size": 2}}
-    reference = make_workflow(datasets, name="reference", **settings)
+    reference = new_workflow(base, tiny_model_dir, datasets, generation={"batch_size": 2})
     reference.run("results/responses/A1.jsonl")
+    return reference
 
-    wf = make_workflow(datasets, name="killed", **settings)
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killed_generation_resumes_without_loss_or_duplicates(
+    make_workflow, uninterrupted: Workflow, sig
+) -> None:
+    datasets = copy.deepcopy(uninterrupted.config["datasets"])
+    wf = make_workflow(datasets, name="killed", generation={"batch_size": 2})
     partial = wf.kill_and_resume("results/responses/A1.jsonl", sig, after_records=6)
-    wf.assert_resumed("A1", partial, reference)
+    wf.assert_resumed("A1", partial, uninterrupted)
 
 
 def test_bad_input_fails_the_job_with_one_clear_line(make_workflow, tmp_path) -> None:
@@ -380,32 +390,48 @@ def test_bad_config_fails_before_any_job(make_workflow, tmp_path, case, change, 
     assert not wf.path("results").exists()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_killed_http_generation_resumes_without_loss_or_duplicates(
-    make_workflow, tmp_path, sig
-) -> None:
+def _fake_server() -> Any:
     from support.fake_openai import FakeOpenAIServer
 
-    prompts = write_prompts(tmp_path / "A1.jsonl", sharegpt_prompts(80))
-    datasets = {"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": 1500}}
     # 4 slots at 100 tokens/s and ~20 tokens per answer: ~20 requests/s, a run of seconds.
-    with FakeOpenAIServer(model="tiny", slots=4, tokens_per_s=100, mean_tokens=20) as server:
-        http = {
-            "generation": {
-                "backend": "openai",
-                "endpoints": [server.url],
-                "served_model": "tiny",
-                "concurrency": 8,
-            }
-        }
-        reference = make_workflow(datasets, name="reference", **http)
-        reference.run("results/responses/A1.jsonl")
-        server.reset()
+    return FakeOpenAIServer(model="tiny", slots=4, tokens_per_s=100, mean_tokens=20)
 
-        wf = make_workflow(datasets, name="killed", **http)
+
+def _http(server: Any) -> dict[str, Any]:
+    return {
+        "generation": {
+            "backend": "openai",
+            "endpoints": [server.url],
+            "served_model": "tiny",
+            "concurrency": 8,
+        }
+    }
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_http(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Workflow:
+    """The responses the killed HTTP generations must end with, from a server of the same
+    settings, not killed (one run for both signals; the fake answers each conversation the
+    same way whichever instance, port or attempt: support/fake_openai.py)."""
+    base = tmp_path_factory.mktemp("uninterrupted-http")
+    prompts = write_prompts(base / "A1.jsonl", sharegpt_prompts(80))
+    datasets = {"A1": {"path": str(prompts), "format": "sharegpt", "token_budget": 1500}}
+    with _fake_server() as server:
+        reference = new_workflow(base, tiny_model_dir, datasets, **_http(server))
+        reference.run("results/responses/A1.jsonl")
+    return reference
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killed_http_generation_resumes_without_loss_or_duplicates(
+    make_workflow, uninterrupted_http: Workflow, sig
+) -> None:
+    datasets = copy.deepcopy(uninterrupted_http.config["datasets"])
+    with _fake_server() as server:
+        wf = make_workflow(datasets, name="killed", **_http(server))
         partial = wf.kill_and_resume("results/responses/A1.jsonl", sig, after_records=10)
         completed_twice = [k for k, n in server.completed_per_conversation().items() if n > 1]
-    wf.assert_resumed("A1", partial, reference)
+    wf.assert_resumed("A1", partial, uninterrupted_http)
     # Only requests in flight at the kill (at most `concurrency`) can be answered again.
     assert len(completed_twice) <= 8
 

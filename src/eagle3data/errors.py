@@ -21,6 +21,8 @@ or config, ``RuntimeError`` for a run that cannot go on)::
     ├── GpuSlotError            (RuntimeError)  a job cannot get the GPUs it needs
     │   └── GpuSlotTimeout                      they stayed taken for too long
     ├── SGLangCaptureError      (RuntimeError)  SGLang cannot capture what was asked for
+    ├── CaptureEngineError      (RuntimeError)  the shared capture engine or its shard failed
+    ├── PhaseError              (RuntimeError)  a capture while generation holds its GPUs
     ├── VLLMCaptureError        (RuntimeError)  the vLLM server does not capture as asked
     ├── DiskSpaceError          (RuntimeError)  the hidden states would not fit on the disk
     ├── SpeculatorsExportError  (RuntimeError)  shards not exportable exactly for speculators
@@ -98,6 +100,15 @@ class GpuSlotTimeout(GpuSlotError):
 class SGLangCaptureError(UserError, RuntimeError):
     """SGLang is missing, refuses the capture settings, or returned hidden states that
     cannot be the ones asked for."""
+
+
+class CaptureEngineError(UserError, RuntimeError):
+    """The capture engine shard jobs share failed, or a shard it captured did: its message,
+    one line (hidden_states/capture_service.py)."""
+
+
+class PhaseError(UserError, RuntimeError):
+    """A capture started while generation's server holds the GPUs it needs."""
 
 
 class VLLMCaptureError(UserError, RuntimeError):

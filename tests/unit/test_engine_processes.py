@@ -169,6 +169,7 @@ JOB = textwrap.dedent(
     )
     print(worker.pid, segment.name, flush=True)
     if sys.argv[4] == "finish":
+        sys.stdin.readline()  # the test has seen what the reaper is to remove
         worker.kill(); worker.wait()
         print(reaper.finish(), flush=True)
     time.sleep(120)
@@ -184,6 +185,7 @@ def test_the_reaper_cleans_up_after_the_job_however_it_ends(tmp_path, end):
     handoff_dir = tmp_path / "handoff"
     job = subprocess.Popen(
         [sys.executable, "-c", JOB, str(src), str(log), str(handoff_dir), end.split()[0]],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,  # the job's group is killed below, as a test kills a run
@@ -197,6 +199,9 @@ def test_the_reaper_cleans_up_after_the_job_however_it_ends(tmp_path, end):
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
         else:
+            assert job.stdin is not None
+            job.stdin.write("finish\n")
+            job.stdin.flush()
             assert job.stdout.readline().strip() == "True"  # finish() waited for it
         wait_until(lambda: not segment.exists() and not handoff_dir.exists())
         wait_until(lambda: not Path(f"/proc/{pid}").exists())

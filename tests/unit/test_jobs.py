@@ -59,6 +59,9 @@ INTERNAL = {
     # caught by the engine: the endpoint falls back to text (issue 32, point 6)
     "eagle3data.generation.engines.openai_engine.UnknownTokenIds",
     "eagle3data.driver_signals.StopSignal",  # SIGINT/SIGTERM: run_step ends with one line
+    # The capture engine's own control flow, never out of it.
+    "eagle3data.hidden_states.capture_service._ClientGone",
+    "eagle3data.hidden_states.capture_service._StopEngine",
 }
 
 

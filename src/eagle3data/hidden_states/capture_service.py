@@ -56,7 +56,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import GpuSlotTimeout, UserError
+from ..errors import CaptureEngineError, GpuSlotTimeout
 from ..gpu_slots import GpuLease, GpuRequest, acquire_gpus
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,6 @@ ENGINE_LOG_DIR = "logs/capture_engines"
 _POLL_S = 0.25
 # An engine writes its pid file within this long of being started (Python's start).
 _BEGIN_S = 120.0
-
-
-class CaptureEngineError(UserError):
-    """The capture engine failed, or a shard it captured did: its message, one line."""
 
 
 class _ClientGone(Exception):

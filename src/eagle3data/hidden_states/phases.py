@@ -25,12 +25,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .. import layout
-from ..errors import UserError
+from ..errors import PhaseError
 from ..gpu_slots import job_gpus
-
-
-class PhaseError(UserError, RuntimeError):
-    """A phase started while the other one holds the GPUs."""
 
 
 def capture_waits_for_all(config: Mapping[str, Any]) -> bool:

@@ -14,6 +14,7 @@ engine's ids, and a direct forward of the decoder.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -238,49 +239,60 @@ def check_states(wf: Workflow, model_dir: Path, tokenized: pl.DataFrame) -> None
     assert seen == tokenized["id"].to_list()
 
 
-# Every (variant, thinking, backend) but the plain checkpoint thinking in process: that
-# run is the first half of test_rows_without_ids_still_train_and_show_what_the_ids_fix,
-# which makes the same checks on it (one Kimi workflow run fewer).
-KIMI_RUNS = [
-    pytest.param(variant, thinking, backend, id=f"{variant}-{tag}-{backend}")
-    for variant in ("plain", "wrapper")
-    for thinking, tag in ((True, "thinking"), (False, "no-thinking"))
-    for backend in ("transformers", "openai")
-    if (variant, thinking, backend) != ("plain", True, "transformers")
-]
+@pytest.fixture(scope="module")
+def kimi_runs(
+    tmp_path_factory: pytest.TempPathFactory, kimi_dirs: dict[str, Path], kimi_tokenizer: Any
+) -> Callable[[str, bool, str], Workflow]:
+    """``run(variant, thinking, backend)``: that Kimi-shaped workflow run to the end, made
+    once per module: the end-to-end test checks each, and the tests that change a run (the
+    ids removed, the agreement turned on) work on a copy of one (``Workflow.copy``)."""
+    from support.fake_openai import FakeOpenAIServer
+
+    runs: dict[tuple[str, bool, str], Workflow] = {}
+
+    def run(variant: str, thinking: bool, backend: str) -> Workflow:
+        key = (variant, thinking, backend)
+        if key in runs:
+            return runs[key]
+        base = tmp_path_factory.mktemp(f"kimi-{variant}-{int(thinking)}-{backend}")
+        model_dir = kimi_dirs[variant]
+        if backend == "openai":
+            # A server with a reasoning parser (SGLang's kimi_k2: reasoning_content; vLLM's:
+            # reasoning; with thinking off there is none) that returns token ids as a
+            # sampled target would make them: non-canonical, its reasoning begun with a
+            # space the parser strips.
+            server = FakeOpenAIServer(
+                model="kimi",
+                mean_tokens=6,
+                reasoning=thinking,
+                dialect="sglang" if variant == "plain" else "vllm",
+                token_ids_fn=server_token_ids(kimi_tokenizer),
+            )
+            with server:
+                wf = kimi_workflow(base, model_dir, "wf", thinking=thinking, server_url=server.url)
+                wf.run()
+        else:
+            wf = kimi_workflow(base, model_dir, "wf", thinking=thinking, server_url=None)
+            wf.run()
+        runs[key] = wf
+        return wf
+
+    return run
 
 
-@pytest.mark.parametrize(("variant", "thinking", "backend"), KIMI_RUNS)
+@pytest.mark.parametrize("backend", ["transformers", "openai"])
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
+@pytest.mark.parametrize("variant", ["plain", "wrapper"])
 def test_kimi_shaped_target_end_to_end(
-    tmp_path: Path,
+    kimi_runs: Callable[[str, bool, str], Workflow],
     kimi_dirs: dict[str, Path],
     kimi_tokenizer: Any,
     variant: str,
     thinking: bool,
     backend: str,
 ) -> None:
-    from support.fake_openai import FakeOpenAIServer
-
-    model_dir = kimi_dirs[variant]
-    if backend == "openai":
-        # A server with a reasoning parser (SGLang's kimi_k2: reasoning_content; vLLM's:
-        # reasoning; with thinking off there is none) that returns token ids as a sampled
-        # target would make them: non-canonical, its reasoning begun with a space the
-        # parser strips.
-        server = FakeOpenAIServer(
-            model="kimi",
-            mean_tokens=6,
-            reasoning=thinking,
-            dialect="sglang" if variant == "plain" else "vllm",
-            token_ids_fn=server_token_ids(kimi_tokenizer),
-        )
-        with server:
-            wf = kimi_workflow(tmp_path, model_dir, "wf", thinking=thinking, server_url=server.url)
-            wf.run()
-    else:
-        wf = kimi_workflow(tmp_path, model_dir, "wf", thinking=thinking, server_url=None)
-        wf.run()
-    check_kimi_run(wf, model_dir, kimi_tokenizer, thinking=thinking, backend=backend)
+    wf = kimi_runs(variant, thinking, backend)
+    check_kimi_run(wf, kimi_dirs[variant], kimi_tokenizer, thinking=thinking, backend=backend)
 
 
 def check_kimi_run(
@@ -340,19 +352,17 @@ def test_kimi_without_trust_remote_code_stops_with_one_clear_line(
 
 
 def test_responses_the_target_did_not_generate_fail_validation(
-    tmp_path: Path, kimi_dirs: dict[str, Path]
+    kimi_runs: Callable[[str, bool, str], Workflow], tmp_path: Path
 ) -> None:
     """A scripted server stands for a server running another model: the shards are sound,
-    but the target does not agree with the tokens, and validate says so and why."""
-    from support.fake_openai import FakeOpenAIServer
-
-    with FakeOpenAIServer(model="kimi", mean_tokens=6, reasoning=False) as server:
-        wf = kimi_workflow(
-            tmp_path, kimi_dirs["plain"], "wf", thinking=False, server_url=server.url
-        )
-        wf.config["validate"] = {"agreement": {"enabled": True}}
-        wf.write_config()
-        proc = wf.run(check=False)
+    but the target does not agree with the tokens, and validate says so and why. (The
+    plain checkpoint's run against the server, thinking off, with the agreement turned on:
+    only validate runs again.)"""
+    wf = kimi_runs("plain", False, "openai").copy(tmp_path)
+    assert wf.config["generation"]["backend"] == "openai"
+    wf.config["validate"] = {"agreement": {"enabled": True}}
+    wf.write_config()
+    proc = wf.run(check=False)
     assert proc.returncode != 0
     log = wf.path("logs/validate/A1.log").read_text()
     assert "A1: the target does not agree with the tokens it generated" in log
@@ -415,17 +425,14 @@ def test_qwen3_thinking_through_a_reasoning_server(tmp_path: Path) -> None:
 
 
 def test_rows_without_ids_still_train_and_show_what_the_ids_fix(
-    tmp_path: Path, kimi_dirs: dict[str, Path], kimi_tokenizer: Any
+    kimi_runs: Callable[[str, bool, str], Workflow], tmp_path: Path
 ) -> None:
     """The same thinking run tokenized from the engine's ids and, its ids removed as in
     rows written before they were kept, from the re-render: both validate, and only the
-    ids reach the agreement of thinking off (README "Validation" reports both).
-
-    The run with ids is the plain checkpoint thinking in process of
-    test_kimi_shaped_target_end_to_end, checked here as that test checks its runs."""
-    wf = kimi_workflow(tmp_path, kimi_dirs["plain"], "wf", thinking=True, server_url=None)
-    wf.run()
-    check_kimi_run(wf, kimi_dirs["plain"], kimi_tokenizer, thinking=True, backend="transformers")
+    ids reach the agreement of thinking off (README "Validation" reports both). (The run
+    with ids: the plain checkpoint thinking in process, as the end-to-end test checks it.)"""
+    wf = kimi_runs("plain", True, "transformers").copy(tmp_path)
+    assert wf.config["validate"]["agreement"]["enabled"]
     manifest_path = wf.path("results/hidden_states/A1/manifest.json")
     with_ids = json.loads(manifest_path.read_text())
     responses = wf.path("results/responses/A1.jsonl")

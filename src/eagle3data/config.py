@@ -155,9 +155,14 @@ def model_problems(config: Mapping[str, Any]) -> list[str]:
     hidden = config["hidden_states"]
     try:
         raw = model_config.read_model_config(model_dir)
-        depth = model_config.num_hidden_layers(raw)
     except (UserError, ValueError) as exc:  # ValueError: not JSON
         return [f"model.path: {model_dir / 'config.json'}: {exc}"]
+    try:
+        depth = model_config.num_hidden_layers(raw)
+    except UserError:
+        # A config without a depth (a stand-in for the prompt stages, a wrapper we cannot
+        # read): the capture names it when it needs it; a prompts-only run must not fail.
+        return []
     try:
         aux = resolve_aux_layers(hidden["aux_layers"], depth, hidden["aux_layer_convention"])
     except UserError as exc:

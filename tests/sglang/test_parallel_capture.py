@@ -13,8 +13,9 @@ SGLang's other DeepSeek branch of the layer-id rule) and the same decoder as K2.
   row per token, the manifest's agreement and control;
 * which ranks wrote the rows (the job log's hand-off line): at tp 2 the first rank only,
   with data-parallel attention the first rank of each group, every row exactly once;
-* at tp 2, the lists hand-off byte-identical to the shared-memory one, and the cosine to
-  the one-rank states (printed: the all-reduce sums in another order).
+* at tp 2, the cosine to the one-rank states (printed: the all-reduce sums in another
+  order); on the wrapper, the lists hand-off byte-identical to the shared-memory one (one
+  target is enough: the hand-off does not depend on the model, and a round costs ~40 s).
 
 Expert parallelism does not run on SGLang's CPU path: its native MoE (``moe_forward_native``)
 cannot take the expert ids that expert parallelism masks to -1; the test shows that error.
@@ -349,13 +350,15 @@ def shm_baseline() -> set[str]:
 
 
 def captured_at_one_and_two_ranks(
-    target: Target, *more: tuple[str, str, dict[str, Any]]
+    target: Target, *more: tuple[str, str, dict[str, Any]], lists: bool = False
 ) -> dict[str, Any]:
-    """The rounds every target goes through (tp 1; tp 2 with both hand-offs), then ``more``
-    as (key, name, layout), the target itself under ``"target"``."""
+    """The rounds every target goes through (tp 1; tp 2; with ``lists`` tp 2 through the
+    other hand-off too), then ``more`` as (key, name, layout), the target itself under
+    ``"target"``."""
     rounds: dict[str, Any] = {"target": target, "tp1": target.capture("tp 1", TP1)}
     rounds["tp2"] = target.capture("tp 2", TP2)
-    rounds["tp2-lists"] = target.capture("tp 2, lists", TP2, "lists")
+    if lists:
+        rounds["tp2-lists"] = target.capture("tp 2, lists", TP2, "lists")
     for key, name, layout in more:
         rounds[key] = target.capture(name, layout)
     return rounds
@@ -392,24 +395,27 @@ def kimi_wrapper(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return captured_at_one_and_two_ranks(
         Target(base, model_dir, kimi_reference(model_dir), prompts=10, kimi=True),
         ("dp-attention", "tp 2, data-parallel attention 2", DP_ATTENTION),
+        lists=True,  # both hand-offs on the target as K2.5 ships it (~40 s a round)
     )
 
 
 def check_target(name: str, rounds: dict[str, Any], samples: int) -> None:
     target: Target = rounds["target"]
-    tp1, tp2, lists = rounds["tp1"], rounds["tp2"], rounds["tp2-lists"]
+    tp1, tp2, lists = rounds["tp1"], rounds["tp2"], rounds.get("tp2-lists")
     for rnd in (tp1, tp2, lists):
-        check_manifest(rnd, samples)
-        check_against_the_target(target, rnd)
+        if rnd is not None:
+            check_manifest(rnd, samples)
+            check_against_the_target(target, rnd)
     check_writers(tp1, ["scheduler"], [])
     check_writers(tp2, ["scheduler TP0"], ["scheduler TP1"])
-    assert HANDOFF_LINE.findall(lists.logs) == []  # lists: SGLang returns the rows itself
-    # Both hand-offs carry the same bf16 values from the same engine: the same bytes.
-    assert lists.shards == tp2.shards
+    if lists is not None:
+        assert HANDOFF_LINE.findall(lists.logs) == []  # lists: SGLang returns the rows itself
+        # Both hand-offs carry the same bf16 values from the same engine: the same bytes.
+        assert lists.shards == tp2.shards
     report_cosine(name, tp1, tp2)
 
 
-def test_llama_at_tp2_with_both_handoffs(llama: dict[str, Any]) -> None:
+def test_llama_at_one_and_two_ranks(llama: dict[str, Any]) -> None:
     check_target("llama", llama, samples=6)
     assert llama["tp1"].layers == [1, 3, 4]
 
@@ -434,7 +440,7 @@ def test_llama_post_norm_capture_is_the_targets_norm_of_the_pre_norm_one(
         assert size < 0.02, f"{key}: relative difference {size:.4f}"
 
 
-def test_kimi_checkpoint_at_tp2_with_both_handoffs(kimi: dict[str, Any]) -> None:
+def test_kimi_checkpoint_at_one_and_two_ranks(kimi: dict[str, Any]) -> None:
     check_target("kimi (DeepseekV3ForCausalLM)", kimi, samples=6)
     assert kimi["tp1"].layers == [2, 3, 5]
 

@@ -1,16 +1,17 @@
 """One load of the target per capture phase, on the transformers backend (CPU).
 
-A dataset of at least six shards is captured three ways, and the loads of the target are
-counted from outside our code (``tests/support/instrument``: every
-``HiddenStateExtractor`` built, with its pid):
+A dataset of at least eight shards is captured, and the loads of the target are counted
+from outside our code (``tests/support/instrument``: every ``HiddenStateExtractor`` built,
+with its pid):
 
-* ``engine_lifetime: shard`` (how every shard job worked before): one load per shard,
-  which shows the count sees each load;
-* the default, killed with ``kill -9`` of the whole run once two shards are done,
-  then the same command: one load before the kill and one for the six or more shards
-  after it, the engines gone after each run (no process, no state directory), the shards
-  byte-identical to the per-shard run;
-* a single shard re-made by its file target: one load, the same bytes.
+* the default, uninterrupted: one load for the phase;
+* the same, killed with ``kill -9`` of the whole run once two shards are done, then the
+  same command: one load before the kill and one for the six or more shards after it, the
+  engines gone after each run (no process, no state directory), the shards byte-identical
+  to the uninterrupted run;
+* a single shard re-made by its file target: one load, the same bytes;
+* two shards re-made with ``engine_lifetime: shard`` (how every shard job worked before):
+  one load per shard, which shows the count sees each load.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def test_the_target_loads_once_per_phase_and_a_killed_run_resumes_identical(
     prompts = write_prompts(tmp_path / "prompts.jsonl", sharegpt_prompts(24))
     wf = make_workflow(
         {"A1": {"path": str(prompts), "format": "sharegpt"}},
-        hidden_states={"shard_bytes": 130_000, "engine_lifetime": "shard"},
+        hidden_states={"shard_bytes": 130_000},
     )
     wf.env.update(
         PYTHONPATH=os.pathsep.join([str(INSTRUMENT), os.environ.get("PYTHONPATH", "")]),
@@ -93,21 +94,18 @@ def test_the_target_loads_once_per_phase_and_a_killed_run_resumes_identical(
     )
     wf.run("results/tokenized/A1.parquet")
 
-    # Before: each shard job loads the target.
+    # The uninterrupted phase: one load for every shard.
     before = len(loads(wf))
     wf.run(MANIFEST)
     reference = shards(wf)
     assert len(reference) >= 8, "the dataset needs at least eight shards"
-    assert len(loads(wf)) - before == len(reference), "one load per shard job"
-    assert not STARTED.search(shard_logs(wf))
+    assert len(loads(wf)) - before == 1, "one load for the phase"
+    nothing_left(engine_root)
 
-    # Now (engine_lifetime is how to run, not what: nothing else re-runs): killed in the
-    # middle of the capture, then the same command.
-    wf.config["hidden_states"]["engine_lifetime"] = "phase"
-    wf.write_config()
+    # Killed in the middle of the capture, then the same command.
     for path in [*wf.path(RESULTS).glob("shard-*.h5"), *wf.path("logs/hidden_states/A1").iterdir()]:
         path.unlink()
-    wf.path(MANIFEST).unlink(missing_ok=True)
+    wf.path(MANIFEST).unlink()
     before = len(loads(wf))
     proc = wf.start(MANIFEST)
     deadline = time.monotonic() + 300
@@ -129,7 +127,7 @@ def test_the_target_loads_once_per_phase_and_a_killed_run_resumes_identical(
     before = len(loads(wf))
     wf.run(MANIFEST)
     assert len(loads(wf)) - before == 1, "one load for the rest of the phase"
-    assert shards(wf) == reference, "the resumed run equals the per-shard one, byte for byte"
+    assert shards(wf) == reference, "the resumed run equals the uninterrupted one, byte for byte"
     assert not list(wf.path(RESULTS).glob(".shard-*.tmp"))
     logs = shard_logs(wf)
     started = STARTED.findall(logs)
@@ -147,3 +145,17 @@ def test_the_target_loads_once_per_phase_and_a_killed_run_resumes_identical(
     assert len(loads(wf)) - before == 1
     assert shards(wf) == reference
     nothing_left(engine_root)
+
+    # engine_lifetime: shard (how every shard job worked before; how to run, not what:
+    # nothing else re-runs): a load per shard job, which shows the count sees each load, and
+    # the same bytes as the phase's engine.
+    wf.config["hidden_states"]["engine_lifetime"] = "shard"
+    wf.write_config()
+    remade = [f"{RESULTS}/shard-00000.h5", f"{RESULTS}/shard-00001.h5"]
+    for target in remade:
+        wf.path(target).unlink()
+    before = len(loads(wf))
+    wf.run(*remade)
+    assert len(loads(wf)) - before == len(remade), "one load per shard job"
+    assert shards(wf) == reference
+    assert not engine_processes()

@@ -30,6 +30,21 @@ from support.workflow import (
 )
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Starts the package-index resolutions (tests/project/test_dependency_resolution.py) in
+    the background: they wait on the network, and the session goes on meanwhile."""
+    module = next(
+        (
+            item.module
+            for item in session.items
+            if getattr(item, "originalname", None) == "test_the_extra_resolves_to_its_lock"
+        ),
+        None,
+    )
+    if module is not None:
+        module.BACKGROUND.start(session.items)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 8-layer Llama in bfloat16 with a ChatML tokenizer, saved locally."""

@@ -11,7 +11,9 @@ the other, 2-core machine), pip 26.3 35 s + 23 s + 17 s; the whole module takes 
 1.5 min with the gpu,slurm pair (four side by side on a shared 2-core machine: 56 s each for
 gpu and gpu,slurm, about 30 s for test and slurm), without this machine's local wheel indexes
 too (fast-deps: no GBs of CUDA wheels downloaded).
-Both pips resolve to the same versions: the locks pin every package.
+Both pips resolve to the same versions: the locks pin every package. They start in the
+background when the session's collection ends (the 2.5 to 3 min they took in the CI run
+overlap the tests that run before this module; ``BackgroundResolutions``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import tomllib
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,28 +245,70 @@ def resolve(pip: list[str], extra: str, report: Path) -> Resolution:
     return Resolution(extra, lock, proc.returncode, proc.stdout + proc.stderr, seconds, resolved)
 
 
-@pytest.fixture(scope="module")
-def resolutions(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Resolution]]:
-    """The dry run of each selected extra, run side by side."""
-    skip_unless_lock_platform()
-    probe_index()
-    wanted = sorted(
-        {
-            item.callspec.params["extra"]
-            for item in request.session.items
-            if getattr(item, "originalname", None) == "test_the_extra_resolves_to_its_lock"
-        }
-    )
-    root = tmp_path_factory.mktemp("resolution")
+def resolve_all(wanted: list[str], root: Path) -> dict[str, Resolution] | str:
+    """The dry run of each extra in ``wanted``, side by side; a reason to skip instead when
+    this is not the locks' platform or the index cannot be reached."""
+    try:
+        skip_unless_lock_platform()
+        probe_index()
+    except pytest.skip.Exception as skip:
+        return str(skip.msg)
     pip = fast_pip(root / "venv")
-    with ThreadPoolExecutor(max_workers=min(len(wanted), os.cpu_count() or 1) or 1) as pool:
+    with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
         futures = {e: pool.submit(resolve, pip, e, root / f"{e}.json") for e in wanted}
-        done = {extra: future.result() for extra, future in futures.items()}
-    for r in done.values():
-        print(f"dry run of .[{r.extra}] -c {LOCKS[r.lock].name}: {r.seconds:.0f} s")
-    yield done
+        return {extra: future.result() for extra, future in futures.items()}
+
+
+class BackgroundResolutions:
+    """The resolutions wait on the index most of their ~3 min, so they start in a thread
+    when the session's collection ends (``tests/conftest.py``: ``pytest_collection_finish``)
+    and the tests before this module run meanwhile; the fixture collects them."""
+
+    def __init__(self) -> None:
+        self.future: Future[dict[str, Resolution] | str] | None = None
+        self.root: tempfile.TemporaryDirectory[str] | None = None
+
+    def start(self, items: list[pytest.Item]) -> None:
+        wanted = sorted(
+            {
+                item.callspec.params["extra"]
+                for item in items
+                if getattr(item, "originalname", None) == "test_the_extra_resolves_to_its_lock"
+            }
+        )
+        if not wanted or self.future is not None:
+            return
+        self.root = tempfile.TemporaryDirectory(prefix="eagle3data-resolution-")
+        self.future = Future()
+        future, root = self.future, Path(self.root.name)
+
+        def run() -> None:
+            try:
+                future.set_result(resolve_all(wanted, root))
+            except BaseException as error:  # the fixture raises it in the test
+                future.set_exception(error)
+
+        # A daemon: an interrupted session does not wait for pip.
+        threading.Thread(target=run, name="dependency-resolutions", daemon=True).start()
+
+
+BACKGROUND = BackgroundResolutions()
+
+
+@pytest.fixture(scope="module")
+def resolutions(request: pytest.FixtureRequest) -> Iterator[dict[str, Resolution]]:
+    """The dry run of each selected extra, started when the collection ended."""
+    BACKGROUND.start(request.session.items)  # already started in a whole session
+    assert BACKGROUND.future is not None and BACKGROUND.root is not None
+    try:
+        done = BACKGROUND.future.result()
+        if isinstance(done, str):
+            pytest.skip(done)
+        for r in done.values():
+            print(f"dry run of .[{r.extra}] -c {LOCKS[r.lock].name}: {r.seconds:.0f} s")
+        yield done
+    finally:
+        BACKGROUND.root.cleanup()
 
 
 @pytest.mark.network

@@ -31,18 +31,15 @@ from support.workflow import (
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Starts the package-index resolutions (tests/project/test_dependency_resolution.py) in
-    the background: they wait on the network, and the session goes on meanwhile."""
-    module = next(
-        (
-            item.module
-            for item in session.items
-            if getattr(item, "originalname", None) == "test_the_extra_resolves_to_its_lock"
-        ),
-        None,
-    )
-    if module is not None:
-        module.BACKGROUND.start(session.items)
+    """Starts what a collected test module runs in the background (its ``BACKGROUND``: the
+    package-index resolutions of tests/project/test_dependency_resolution.py, which wait on
+    the network while the session goes on); the module decides which of its tests need it."""
+    if session.config.option.collectonly:
+        return
+    for module in {item.module for item in session.items if isinstance(item, pytest.Function)}:
+        background = getattr(module, "BACKGROUND", None)
+        if background is not None:
+            background.start(session.items)
 
 
 @pytest.fixture(scope="session")

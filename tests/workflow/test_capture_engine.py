@@ -158,4 +158,8 @@ def test_the_target_loads_once_per_phase_and_a_killed_run_resumes_identical(
     wf.run(*remade)
     assert len(loads(wf)) - before == len(remade), "one load per shard job"
     assert shards(wf) == reference
+    remade_logs = "".join(
+        wf.path(f"logs/hidden_states/A1/{Path(target).stem}.log").read_text() for target in remade
+    )
+    assert not STARTED.search(remade_logs), "no capture engine for per-shard jobs"
     assert not engine_processes()

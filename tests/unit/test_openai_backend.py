@@ -826,3 +826,39 @@ def test_what_real_servers_sent_about_the_context_is_over_context() -> None:
     assert not isinstance(
         engine._completion(normal["response"], engine.pool.endpoints[0]), TurnFailure
     )
+
+
+def test_requests_are_written_in_the_order_they_were_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst opens a connection per request, and connection setups take varying times (a
+    loaded machine, a remote server): the requests must still go out in the prompts' order,
+    each written whole before the next, so that a first-come-first-served server runs the
+    positions the prefix needs first, and the queue gauges read its waiting requests as
+    this client's newest."""
+    import random
+
+    import aiohttp
+    from aiohttp.http_writer import StreamWriter
+
+    rng = random.Random(0)
+    connect, write = aiohttp.TCPConnector._create_connection, StreamWriter.write
+    written: list[str] = []
+
+    async def slow_connect(self, *args, **kwargs):
+        await asyncio.sleep(rng.uniform(0.0, 0.05))
+        return await connect(self, *args, **kwargs)
+
+    async def recording_write(self, chunk, *args, **kwargs):
+        if b'"messages"' in bytes(chunk):
+            written.append(json.loads(bytes(chunk))["messages"][0]["content"])
+        return await write(self, chunk, *args, **kwargs)
+
+    monkeypatch.setattr(aiohttp.TCPConnector, "_create_connection", slow_connect)
+    monkeypatch.setattr(StreamWriter, "write", recording_write)
+    single = [make_prompt(f"s{i:03d}", [{"role": "user", "content": f"q {i}"}]) for i in range(32)]
+    with FakeOpenAIServer(slots=32, tokens_per_s=400, mean_tokens=20) as server:
+        j = dataclasses.replace(job(tmp_path), prompts=single)
+        result = generate(j, server.url, concurrency=32)
+    assert len(result.rows) == 32
+    assert written == [f"q {i}" for i in range(32)]

@@ -131,6 +131,8 @@ class _Endpoint:
     abortable: bool = False  # SGLang: requests carry a rid and are aborted by it
     queue_gauge: QueueGauge | None = None  # where it reports its running and waiting requests
     slots: EndpointSlots | None = None  # shared with the run's other jobs, when they are
+    # Held from a request's send until its body is written (:class:`_InOrder`).
+    send_order: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 @dataclass
@@ -571,6 +573,7 @@ class OpenAIEngine:
             headers["Authorization"] = f"Bearer {self.settings.api_key}"
         self._session = aiohttp.ClientSession(
             headers=headers,
+            trace_configs=[_InOrder.trace_config()],
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
             timeout=aiohttp.ClientTimeout(
                 total=self.settings.request_timeout_s, connect=self.settings.connect_timeout_s
@@ -694,12 +697,17 @@ class OpenAIEngine:
         ones stop at the next step), and its answer, which SGLang then sends at once, says
         how many tokens it had decoded: :attr:`RequestTrace.decoded_on_cancel` (a request
         that finished before the abort arrived answers as usual: its usage counts the same)."""
-        sending = asyncio.ensure_future(self._send(url, body))
+        order = _InOrder(endpoint.send_order)
+        sending = asyncio.ensure_future(self._send(url, body, order))
         try:
             return await asyncio.shield(sending)
         except asyncio.CancelledError:
             rid = body.get("rid")
-            if not endpoint.abortable or not isinstance(rid, str):
+            # Not written yet: the server has nothing of it, and an abort by rid sent now
+            # would arrive before the request it names (a no-op there), so just cancel.
+            if not endpoint.abortable or not isinstance(rid, str) or not order.is_written:
+                if trace is not None and not order.is_written:
+                    trace.decoded_on_cancel = 0
                 sending.cancel()  # closes the connection
                 await asyncio.gather(sending, return_exceptions=True)
                 raise
@@ -709,14 +717,24 @@ class OpenAIEngine:
                 trace.decoded_on_cancel = decoded
             raise
 
-    async def _send(self, url: str, body: Mapping[str, Any]) -> tuple[int, str]:
-        """POST ``body``: the status and the text of the answer."""
+    async def _send(
+        self, url: str, body: Mapping[str, Any], order: _InOrder | None = None
+    ) -> tuple[int, str]:
+        """POST ``body``: the status and the text of the answer. With ``order``, the
+        request reaches its endpoint after every one sent to it before (:class:`_InOrder`)."""
         assert self._session is not None, "call start() first"
         try:
-            async with self._session.post(url, json=body) as resp:
+            if order is not None:
+                await order.take_turn()
+            async with self._session.post(url, json=body, trace_request_ctx=order) as resp:
+                if order is not None:
+                    order.written()  # the answer has begun: the request is surely out
                 return resp.status, await resp.text()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise TransientError(f"{url}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if order is not None:
+                order.give_up()
 
     async def _abort(
         self, endpoint: _Endpoint, rid: str, sending: asyncio.Future[tuple[int, str]]
@@ -785,6 +803,49 @@ class OpenAIEngine:
         if cut is not None:
             return TurnFailure(cut, kind=OVER_CONTEXT, spent_tokens=completion.completion_tokens)
         return completion
+
+
+class _InOrder:
+    """One request's turn in its endpoint's send order: taken before the request is sent,
+    given up once its body is written (aiohttp's ``on_request_chunk_sent`` trace), or when
+    its answer begins or it fails, whichever comes first.
+
+    Why: a burst of requests opens new connections whose setup times vary, so without a
+    turn they reach the server out of the order they were sent in. Servers run first come,
+    first served, and the budget's prefix needs the earliest positions first; the queue
+    gauges (:func:`.server_queue.queued_positions`) also read a server's waiting requests
+    as this client's newest. Holding a turn costs one write per request."""
+
+    def __init__(self, lock: asyncio.Lock) -> None:
+        self._lock = lock
+        self._holding = False
+        self.is_written = False
+
+    async def take_turn(self) -> None:
+        await self._lock.acquire()
+        self._holding = True
+
+    def written(self) -> None:
+        if self._holding:
+            self.is_written = True
+        self.give_up()
+
+    def give_up(self) -> None:
+        """The turn ends whether or not the request was written (it failed or stopped)."""
+        if self._holding:
+            self._holding = False
+            self._lock.release()
+
+    @staticmethod
+    def trace_config() -> aiohttp.TraceConfig:
+        async def chunk_sent(_: Any, context: Any, __: Any) -> None:
+            order = context.trace_request_ctx
+            if isinstance(order, _InOrder):
+                order.written()
+
+        config = aiohttp.TraceConfig()
+        config.on_request_chunk_sent.append(chunk_sent)
+        return config
 
 
 def cut_by_context(completion: Completion, context: int | None, max_tokens: int) -> str | None:

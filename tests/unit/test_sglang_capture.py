@@ -28,6 +28,7 @@ from support.workflow import REPO
 
 from eagle3data.hidden_states import handoff
 from eagle3data.hidden_states.backends import build_extractor
+from eagle3data.hidden_states.final_state import POST_NORM
 from eagle3data.hidden_states.layers import AuxLayers, resolve_aux_layers
 from eagle3data.hidden_states.sglang_capture import (
     FINAL_NORM_MODULES,
@@ -302,7 +303,7 @@ def test_hook_factory_path_resolves_like_sglang_resolves_it():
 
 
 def test_hook_appends_the_final_norm_rows_to_the_aux_rows():
-    hook = append_last_hidden_states_hook({})
+    hook = append_last_hidden_states_hook({"final_state": POST_NORM})
     aux = torch.randn(5, 3 * HIDDEN, dtype=torch.bfloat16)
     last = torch.randn(5, HIDDEN, dtype=torch.bfloat16)
     output = SimpleNamespace(hidden_states=aux, last_hidden_states=last)
@@ -641,7 +642,7 @@ def test_only_the_first_rank_of_a_tensor_parallel_group_writes(tmp_path, monkeyp
     outputs = []
     for pid, label, attn_tp_rank in ((101, "scheduler TP0", 0), (102, "scheduler TP1", 1)):
         _as_worker(monkeypatch, pid, label, attn_tp_rank)
-        hook = shared_rows_hook({"directory": str(tmp_path)})
+        hook = shared_rows_hook({"directory": str(tmp_path), "final_state": POST_NORM})
         output = _hook_output(rows)
         hook(None, (), output)
         outputs.append(output)
@@ -677,7 +678,7 @@ def test_data_parallel_attention_groups_each_write_their_own_batches(tmp_path, m
     pointers = {}
     for pid, label in ((201, "scheduler DP0 TP0"), (202, "scheduler DP1 TP1")):
         _as_worker(monkeypatch, pid, label, 0)
-        hook = shared_rows_hook({"directory": str(tmp_path)})
+        hook = shared_rows_hook({"directory": str(tmp_path), "final_state": POST_NORM})
         for n, ids in enumerate(batches[pid]):
             output = _hook_output(rows_for(ids, 4 * HIDDEN))
             hook(None, (), output)
@@ -722,7 +723,7 @@ def test_pointers_that_are_not_consecutive_rows_of_one_batch_are_refused(tmp_pat
 def _hook_in_a_worker(directory: str, batches: list[list[int]], pointers_out: Any) -> None:
     """A stand-in for one SGLang scheduler process: runs the hook once per forward batch
     and sends back only what SGLang would (the pointers, as lists)."""
-    hook = shared_rows_hook({"directory": directory})
+    hook = shared_rows_hook({"directory": directory, "final_state": POST_NORM})
     for ids in batches:
         output = _hook_output(rows_for(ids, 4 * HIDDEN))
         hook(None, (), output)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .. import model_config
 from ..errors import UserError
 from ..gpu_slots import VISIBLE_ENV, held_gpu_count, parse_visible
-from .final_state import FINAL_STATES, POST_NORM
+from .final_state import FINAL_STATES, final_state_of
 from .layers import AuxLayers, resolve_aux_layers
 from .settings import hidden_state_dtype
 
@@ -108,9 +108,8 @@ def build_extractor(
         "convention": hidden_cfg["aux_layer_convention"],
         "dtype": hidden_state_dtype(hidden_cfg, model_dtype),
         "trust_remote_code": bool(hidden_cfg.get("trust_remote_code", False)),
-        # Absent from the settings only when post_norm (settings._LATER_DEFAULTS); the
-        # schema's default, pre_norm, is always written out.
-        "final_state": hidden_cfg.get("final_state", POST_NORM),
+        # Absent from the settings only at the value older data holds (settings.py).
+        "final_state": final_state_of(hidden_cfg, "hidden_states settings"),
     }
     if backend == "transformers":
         from .transformers_capture import HiddenStateExtractor

@@ -50,9 +50,16 @@ DESCRIPTIONS = {
 _NORM_PROBE_ROWS = 8
 
 
+# What everything written before ``final_state`` existed holds: shards, manifests and the
+# hidden-state settings files (which leave the key out at this value, so an upgrade
+# re-extracts nothing). The one place that says so: absent means this, nowhere else.
+OLDER_FINAL_STATE = POST_NORM
+
+
 def final_state_of(attrs: Mapping[str, Any], where: str | Path = "shard") -> str:
-    """The final state a shard's attributes (or a manifest's ``attrs``) say it holds."""
-    value = attrs.get("final_state", POST_NORM)
+    """The final state a shard's attributes, a manifest's ``attrs`` or the hidden-state
+    settings say it holds (absent: :data:`OLDER_FINAL_STATE`)."""
+    value = attrs.get("final_state", OLDER_FINAL_STATE)
     if value not in FINAL_STATES:
         raise ShardFormatError(
             f"{where}: final_state {value!r} is none of {list(FINAL_STATES)}; not a shard "

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .final_state import OLDER_FINAL_STATE
+
 # hidden_states.* keys that say how a shard is computed, not what it holds.
 EXECUTION_KEYS = (
     "gpus_per_job",
@@ -25,7 +27,7 @@ EXECUTION_KEYS = (
     "share_gpus_with_generation",
 )
 # Keys added after shards existed, and the default that keeps the old content.
-_LATER_DEFAULTS = {"storage_dtype": "auto", "final_state": "post_norm"}
+_LATER_DEFAULTS = {"storage_dtype": "auto", "final_state": OLDER_FINAL_STATE}
 
 
 def hidden_state_settings(config: Mapping[str, Any]) -> dict[str, Any]:

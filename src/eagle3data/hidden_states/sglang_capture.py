@@ -56,7 +56,7 @@ from . import handoff
 from .backends import read_engine_target
 from .engine_processes import EngineWatch, descendants, process_keys, shm_files
 from .engine_reaper import Reaper
-from .final_state import POST_NORM, PRE_NORM
+from .final_state import PRE_NORM
 from .layers import AuxLayers
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ def append_last_hidden_states_hook(config: Mapping[str, Any]) -> Callable[..., N
     hook puts both into the returned rows as ``[aux | last]`` (``last`` the pre-norm
     rows when ``config["final_state"]`` says so).
     """
-    final_state = (config or {}).get("final_state", POST_NORM)
+    final_state = config["final_state"]  # engine_args always says (no default here)
 
     def hook(_module: Any, _inputs: Any, output: Any) -> None:
         parts = _captured_parts(output, final_state)
@@ -219,7 +219,7 @@ def shared_rows_hook(config: Mapping[str, Any]) -> Callable[..., None]:
     ``[aux | last]`` rows go to a file in ``config["directory"]`` and SGLang returns
     their ``[T, 3]`` pointers instead."""
     writer = handoff.RowsWriter(config["directory"])
-    final_state = config.get("final_state", POST_NORM)
+    final_state = config["final_state"]
 
     def hook(_module: Any, _inputs: Any, output: Any) -> None:
         parts = _captured_parts(output, final_state)
@@ -252,9 +252,7 @@ def pre_norm_hook(_config: Mapping[str, Any]) -> Callable[..., None]:
     return hook
 
 
-def _captured_parts(
-    output: Any, final_state: str = POST_NORM
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _captured_parts(output: Any, final_state: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(aux, last) of a full-capture forward, in the aux dtype; None for any other
     forward (decode, warm-up, a batch that asked for no states) or when a hook already ran."""
     aux = getattr(output, "hidden_states", None)

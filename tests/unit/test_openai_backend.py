@@ -766,11 +766,17 @@ def test_the_status_reports_the_counters_of_the_generate_stats(tmp_path: Path) -
     results = Results(tmp_path)
     write_json(results.path(RESPONSE_STATS, dataset="A1"), result.stats)
     notes = _generation_notes(results, "A1")
-    assert notes == {"over_context": 1, "token_ids_fallbacks": 1}
+    assert notes == {"over_context": 1, "token_ids_fallbacks": 1, "capture_files_left": 0}
     row = _status_row("A1", notes)
     [_title, line] = notes_lines([row, replace(row, dataset="B2", generation_notes=None)])
     assert line.startswith("  A1: 1 prompt(s) over the model's context")
     assert "1 endpoint(s) refused return_token_ids" in line
+    assert "could not be deleted" not in line
+    [_title, line] = notes_lines([replace(row, generation_notes={"capture_files_left": 3})])
+    assert line == (
+        "  A1: 3 hidden-state file(s) a capture server wrote for generation requests could "
+        "not be deleted (see the job log)"
+    )
     assert notes_lines([replace(row, generation_notes={"over_context": 0})]) == []
 
 
@@ -862,3 +868,40 @@ def test_requests_are_written_in_the_order_they_were_sent(
         result = generate(j, server.url, concurrency=32)
     assert len(result.rows) == 32
     assert written == [f"q {i}" for i in range(32)]
+
+
+def test_capture_files_that_cannot_be_deleted_are_counted_and_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vLLM server with the hidden-states connector writes a file for every generation
+    request (57 KB a token at Kimi width): the generate job deletes it; where it cannot
+    (the server's storage is not this machine's, or the file is another user's), each
+    file left is counted in the stats and the log warns once per endpoint and cause."""
+    engine = _engine()
+    endpoint = engine.pool.endpoints[0]
+
+    def answer_with(path: Path) -> dict:
+        return {"kv_transfer_params": {"hidden_states_path": str(path)}}
+
+    here = tmp_path / "cmpl-1.safetensors"
+    here.write_bytes(b"states")
+    asyncio.run(engine._discard_captured_states(answer_with(here), endpoint))
+    assert not here.exists() and engine.notes["capture_files_left"] == 0
+
+    with caplog.at_level(logging.WARNING):
+        for n in range(3):  # the server's storage, not visible here
+            elsewhere = tmp_path / "not-here" / f"cmpl-{n}.safetensors"
+            asyncio.run(engine._discard_captured_states(answer_with(elsewhere), endpoint))
+        owned = tmp_path / "cmpl-root.safetensors"
+        owned.write_bytes(b"states")
+
+        def refused(path: str) -> None:
+            raise PermissionError(13, "Operation not permitted", path)
+
+        monkeypatch.setattr("os.unlink", refused)
+        for _ in range(2):  # written by a server running as another user
+            asyncio.run(engine._discard_captured_states(answer_with(owned), endpoint))
+    assert engine.notes["capture_files_left"] == 5
+    warnings = [r.getMessage() for r in caplog.records if "captures hidden states" in r.message]
+    assert len(warnings) == 2, warnings
+    assert "not on this machine" in warnings[0] and "another" in warnings[1]

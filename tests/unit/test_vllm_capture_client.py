@@ -88,7 +88,21 @@ def test_without_a_url_the_job_says_which_key_to_set(tmp_path: Path) -> None:
 
 
 def test_request_ids_are_safe_and_name_the_job() -> None:
-    assert request_prefix("my data/set-3") == "eagle3data-my_data_set-3-"
+    prefix = request_prefix("my data/set-3")
+    assert prefix.startswith("eagle3data-") and prefix.endswith("-my_data_set-3-")
+    assert all(c.isalnum() or c in "_.-" for c in prefix)
+
+
+@pytest.mark.parametrize(
+    ("job", "other"),
+    [("A-1-0", "A-1-0-5"), ("A/1-0", "A_1-0"), ("A1-1", "A1-10"), ("x-2", "x-2-probe")],
+)
+def test_no_jobs_request_ids_start_like_anothers(job: str, other: str) -> None:
+    """A job deletes the files whose names start with its prefix (a killed attempt's): the
+    shard 0 of dataset A-1 must not take dataset A-1-0's, nor two names that sanitise
+    alike each other's."""
+    a, b = request_prefix(job), request_prefix(other)
+    assert not a.startswith(b) and not b.startswith(a)
 
 
 def test_the_serve_command_comes_from_the_config(tmp_path: Path, capsys: Any) -> None:
@@ -292,7 +306,8 @@ def test_a_killed_attempts_files_are_deleted_at_start(
     prefix = request_prefix("A1-0")
     stale = storage / f"cmpl-{prefix}7-0-deadbeef.safetensors"
     write_like_the_connector(stale, torch.zeros(3, 4, 64), [1, 2, 3])
-    other = storage / f"cmpl-{request_prefix('A1-1')}7-0-deadbeef.safetensors"
+    # Dataset A1-0's shard 5: its ids once started with A1's shard 0's.
+    other = storage / f"cmpl-{request_prefix('A1-0-5')}7-0-deadbeef.safetensors"
     write_like_the_connector(other, torch.zeros(3, 4, 64), [1, 2, 3])
     url = stand_in(StandIn(storage, (4, 64), torch.float32))
     capture = VLLMCapture(str(llama), dtype="float32", options={"url": url}, job="A1-0")

@@ -1046,6 +1046,8 @@ def _assemble(
         # Endpoints of this run asked in text: they refused return_token_ids or sent ids
         # in a shape we do not know (0 when nothing was generated now).
         "token_ids_fallbacks": int((engine_notes or {}).get("token_ids_fallbacks", 0)),
+        # Files a capture server wrote for our requests that this job could not delete.
+        "capture_files_left": int((engine_notes or {}).get("capture_files_left", 0)),
         **ids,
         "sidecar": str(job.journal),
         "failures": failures,

@@ -32,6 +32,7 @@ wrong final state.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -149,8 +150,12 @@ def generation_flags(architectures: Sequence[str]) -> list[str] | None:
 
 def request_prefix(job: str) -> str:
     """The request ids of one job's captures start with this (vLLM names each file after
-    its request, so a resumed job finds the files a killed attempt left behind)."""
-    return "eagle3data-" + re.sub(r"[^A-Za-z0-9_.-]", "_", job) + "-"
+    its request, so a resumed job finds the files a killed attempt left behind, and deletes
+    every file starting so). A fixed-width hash of the job's name comes first, so no job's
+    prefix starts another's (dataset ``A-1`` shard 0 against ``A-1-0`` shard 5, or two
+    names that sanitise alike); the name follows for people reading the folder."""
+    digest = hashlib.sha256(job.encode()).hexdigest()[:12]
+    return f"eagle3data-{digest}-" + re.sub(r"[^A-Za-z0-9_.-]", "_", job) + "-"
 
 
 def _error_text(status: int, text: str) -> str:

@@ -11,10 +11,9 @@ generates with.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -36,19 +35,32 @@ def read_states(path: str) -> dict[str, torch.Tensor]:
         return load_file(path, device="cpu")
 
 
-def discard_states(path: str) -> None:
+Discarded = Literal["deleted", "absent", "forbidden"]
+
+
+def discard_states(path: str) -> Discarded:
     """Delete a file the connector wrote and its lock, once the write is over (deleting
-    it while the writer is still at it would leave the file behind)."""
+    it while the writer is still at it would leave the file behind). Says what happened:
+    ``deleted``; ``absent`` (neither the file nor its lock is here: the server's storage
+    is not this machine's, or someone deleted it first); ``forbidden`` (this user may not
+    delete it: a server running as another user, e.g. root in a container)."""
     lock = path + ".lock"
     try:
-        with open(lock) as held:
-            fcntl.flock(held, fcntl.LOCK_SH)
-            _unlink(path)
-        _unlink(lock)
-    except FileNotFoundError:
-        _unlink(path)
+        try:
+            with open(lock) as held:
+                fcntl.flock(held, fcntl.LOCK_SH)
+                deleted = _unlink(path)
+            _unlink(lock)
+        except FileNotFoundError:
+            deleted = _unlink(path)
+    except PermissionError:
+        return "forbidden"
+    return "deleted" if deleted else "absent"
 
 
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
+def _unlink(path: str) -> bool:
+    try:
         os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True

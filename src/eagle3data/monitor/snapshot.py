@@ -210,7 +210,7 @@ def _token_ids(results: Results, dataset: str) -> dict[str, Any] | None:
 
 
 # The generate stats' counters the status reports (driver._assemble writes them).
-NOTE_KEYS = ("over_context", "token_ids_fallbacks")
+NOTE_KEYS = ("over_context", "token_ids_fallbacks", "capture_files_left")
 
 
 def _generation_notes(results: Results, dataset: str) -> dict[str, int] | None:
@@ -236,6 +236,11 @@ def notes_lines(rows: Sequence[DatasetStatus]) -> list[str]:
             said.append(
                 f"{notes['token_ids_fallbacks']} endpoint(s) refused return_token_ids or sent "
                 "ids in an unknown shape: asked in text, their turns re-rendered at tokenize"
+            )
+        if notes.get("capture_files_left"):
+            said.append(
+                f"{notes['capture_files_left']} hidden-state file(s) a capture server wrote "
+                "for generation requests could not be deleted (see the job log)"
             )
         if said:
             lines.append(f"  {r.dataset}: " + "; ".join(said))

@@ -492,6 +492,10 @@ class OpenAIEngine:
         )
         self._session: aiohttp.ClientSession | None = None
         self.token_ids_fallbacks = 0  # endpoints asked in text after refusing the ids
+        # Hidden-state files a capture server wrote for our requests that we could not
+        # delete (its storage not visible here, or not ours to delete): warned once each.
+        self.capture_files_left = 0
+        self._left_warned: set[tuple[str, str]] = set()
 
     @property
     def capacity(self) -> int:
@@ -501,7 +505,10 @@ class OpenAIEngine:
     def notes(self) -> dict[str, int]:
         """Counters about the servers, for the stats: ``token_ids_fallbacks``, endpoints
         that refused ``return_token_ids`` or sent ids in a shape we do not know."""
-        return {"token_ids_fallbacks": self.token_ids_fallbacks}
+        return {
+            "token_ids_fallbacks": self.token_ids_fallbacks,
+            "capture_files_left": self.capture_files_left,
+        }
 
     @property
     def shares_slots(self) -> bool:
@@ -564,6 +571,36 @@ class OpenAIEngine:
             "token ids and the tokenize stage re-renders them",
             endpoint.url,
             TOKEN_IDS_FIELD,
+            why,
+        )
+
+    async def _discard_captured_states(self, payload: Any, endpoint: _Endpoint) -> None:
+        """Delete the hidden states a vLLM capture server wrote for a generation request
+        (57 KB a token at Kimi-K2.5's width): one left behind is counted, and warned of
+        once per endpoint and cause, never silently."""
+        params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
+        path = params.get("hidden_states_path") if isinstance(params, dict) else None
+        if not isinstance(path, str) or not path:
+            return
+        outcome = await asyncio.to_thread(discard_states, path)
+        if outcome == "deleted":
+            return
+        self.capture_files_left += 1
+        if (endpoint.url, outcome) in self._left_warned:
+            return
+        self._left_warned.add((endpoint.url, outcome))
+        why = (
+            "is not on this machine (the server's storage is not visible to this job)"
+            if outcome == "absent"
+            else "may not be deleted by this user (the server runs as another)"
+        )
+        log.warning(
+            "%s captures hidden states for generation requests, and the file it wrote "
+            "(%s) %s: every request leaves one behind there. Generate against a server "
+            "without the hidden-states connector, or run the generate jobs where its "
+            "storage is theirs; the stats count the files left (capture_files_left)",
+            endpoint.url,
+            path,
             why,
         )
 
@@ -677,7 +714,7 @@ class OpenAIEngine:
             if payload is None:
                 healthy = False
                 raise TransientError(f"{url}: HTTP 200 with a body that is not JSON")
-            await _discard_captured_states(payload)
+            await self._discard_captured_states(payload, endpoint)
             return self._completion(payload, endpoint)
         except asyncio.CancelledError:
             healthy = None  # we hung up (a stop, or the budget is reached): no verdict
@@ -891,14 +928,6 @@ def _server_root(url: str) -> str:
 
 def _without_token_ids(body: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != TOKEN_IDS_FIELD}
-
-
-async def _discard_captured_states(payload: Any) -> None:
-    """Delete the hidden states a vLLM capture server wrote for a generation request."""
-    params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
-    path = params.get("hidden_states_path") if isinstance(params, dict) else None
-    if isinstance(path, str) and path:
-        await asyncio.to_thread(discard_states, path)
 
 
 def _calls_text(tool_calls: list[dict[str, Any]] | None) -> str:

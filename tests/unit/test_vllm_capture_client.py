@@ -193,15 +193,21 @@ class StandIn:
         dtype: torch.dtype,
         *,
         elsewhere: bool = False,
+        models_text: str | None = None,
     ) -> None:
         self.storage, self.shape, self.dtype = storage, shape, dtype
         self.elsewhere = elsewhere  # the file is not where this job can read it
+        self.models_text = models_text  # /v1/models answers this instead of vLLM's list
+        self.completions_received = 0
 
     async def models(self, request: web.Request) -> web.Response:
+        if self.models_text is not None:
+            return web.Response(text=self.models_text)
         recorded = json.loads((RECORDED / "models.json").read_text())
         return web.json_response(recorded["response"])
 
     async def completions(self, request: web.Request) -> web.Response:
+        self.completions_received += 1
         body = await request.json()
         ids = body["prompt"]
         params = None
@@ -328,3 +334,33 @@ def test_a_server_that_is_not_up_is_named_with_the_command(llama: Path) -> None:
 
     message = capture_error(llama, f"http://127.0.0.1:{free_port()}/v1")
     assert "is the capture server up?" in message and "vllm serve" in message
+
+
+@pytest.mark.parametrize("answer", ["OK", "[]", '{"models": []}'])
+def test_a_models_answer_that_is_not_a_model_list_is_refused_in_one_line(
+    llama: Path, stand_in: Any, answer: str
+) -> None:
+    """A URL that is not the OpenAI base (a proxy's health page, the server's root)."""
+    url = stand_in(StandIn(None, (4, 64), torch.float32, models_text=answer))
+    message = capture_error(llama, url)
+    assert "is not a model list" in message and "ending in /v1" in message
+
+
+def test_samples_longer_than_the_servers_context_are_refused_before_any_request(
+    llama: Path, storage: Path, stand_in: Any
+) -> None:
+    """The recorded server's max_model_len is 1024: a sample of 1024 tokens (and its one
+    generated token) cannot fit, and would fail the same on every retry of the shard."""
+    server = StandIn(storage, (4, 64), torch.float32)
+    capture = VLLMCapture(str(llama), dtype="float32", options={"url": stand_in(server)})
+    try:
+        probed = server.completions_received
+        with pytest.raises(VLLMCaptureError) as caught:
+            capture.forward([[5, 6, 7], [1] * 1024])
+        assert server.completions_received == probed  # nothing sent for the shard
+        message = str(caught.value)
+        assert "1024 tokens does not fit" in message and "--max-model-len 1025" in message
+        assert "hidden_states.max_seq_len to 1023" in message
+        assert len(capture.forward([[1] * 1023])[0][0]) == 1023  # what fits is captured
+    finally:
+        capture.close()

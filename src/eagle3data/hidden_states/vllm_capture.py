@@ -259,7 +259,15 @@ class VLLMCapture:
             ) from None
         if status != 200:
             raise VLLMCaptureError(f"GET {url} -> {_error_text(status, text)}")
-        models = [m for m in json.loads(text).get("data", []) if isinstance(m, dict)]
+        payload = json_or_none(text)
+        entries = payload.get("data") if isinstance(payload, dict) else None
+        if not isinstance(entries, list):
+            raise VLLMCaptureError(
+                f"GET {url} answered HTTP 200 with a body that is not a model list "
+                f"({text[:120]!r}): is hidden_states.vllm.url the server's OpenAI base URL "
+                f"(ending in /v1)?"
+            )
+        models = [m for m in entries if isinstance(m, dict)]
         wanted = self.options["model"]
         if wanted is None and len(models) == 1:
             chosen = models[0]
@@ -390,7 +398,23 @@ class VLLMCapture:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
+    def _check_context(self, samples: Sequence[Sequence[int]]) -> None:
+        """Refuse, before any request, samples the server's context cannot take (it would
+        answer each with a 400, and every retry of the shard the same)."""
+        context = self.max_model_len
+        if not isinstance(context, int) or not samples:
+            return
+        longest = max(len(ids) for ids in samples)
+        if longest + 1 > context:  # a capture request generates one token
+            raise VLLMCaptureError(
+                f"a sample of {longest} tokens does not fit {self.url}'s max_model_len "
+                f"{context} (a capture request is the sample and one generated token): start "
+                f"the server with --max-model-len {longest + 1} or more, or lower "
+                f"hidden_states.max_seq_len to {context - 1} (the samples are cut at tokenize)"
+            )
+
     def forward(self, samples: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self._check_context(samples)
         states = self._loop.run_until_complete(self._capture_all(samples))
         out = []
         for rows in states:

@@ -65,6 +65,8 @@ def test_worker_names_come_from_sglangs_process_titles(title, name):
 def test_wait_statuses_in_words():
     assert describe_end(signal.SIGKILL) == "was killed by SIGKILL"
     assert describe_end(3 << 8) == "exited with code 3"
+    # Real-time signals have no name in signal.Signals (they once raised here).
+    assert describe_end(signal.SIGRTMIN + 3) == "was killed by SIGRTMIN+3"
     assert describe_end(0) == "ended after an error"
 
 

@@ -126,10 +126,21 @@ def shm_files(pids: Iterable[int]) -> set[str]:
     return found
 
 
+def signal_name(number: int) -> str:
+    """``SIGKILL``; real-time signals, which have no name in :class:`signal.Signals`, as
+    ``SIGRTMIN+3``; anything else as ``signal 99``."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        if signal.SIGRTMIN <= number <= signal.SIGRTMAX:
+            return f"SIGRTMIN+{number - signal.SIGRTMIN}"
+        return f"signal {number}"
+
+
 def describe_end(status: int) -> str:
     """A wait status (``/proc/<pid>/stat`` field 52, or ``os.waitpid``) in words."""
     if os.WIFSIGNALED(status):
-        return f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        return f"was killed by {signal_name(os.WTERMSIG(status))}"
     code = os.WEXITSTATUS(status)
     # A scheduler that hits an exception logs it, signals the job and returns: exit 0.
     return "ended after an error" if code == 0 else f"exited with code {code}"
@@ -170,7 +181,7 @@ class EngineWatch:
             if code is None:
                 return None
             if code < 0:
-                return f"was killed by {signal.Signals(-code).name}"
+                return f"was killed by {signal_name(-code)}"
             return describe_end(code << 8)
         stat = _stat(worker.pid)
         if stat is not None and stat.started == worker.started:

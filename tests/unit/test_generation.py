@@ -732,3 +732,71 @@ def test_engine_returning_the_wrong_number_of_results_is_an_error(tmp_path):
     with pytest.raises(ValueError):
         run_generation(job, Short)
     assert list(read_journal(job.journal)) == []  # nothing misattributed was recorded
+
+
+class _HangsUntilCancelled:
+    """An HTTP-style engine: "q 0" answers at once with 10 tokens, the rest wait until
+    they are cancelled; ``on_cancel`` says what the cancelled "q 2" raises."""
+
+    capacity = 4
+
+    def __init__(self, on_cancel: BaseException) -> None:
+        self.on_cancel = on_cancel
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def complete(self, messages, tools=None):
+        import asyncio
+
+        from eagle3data.generation.engines import Completion
+
+        if messages[-1]["content"] == "q 0":
+            return Completion("a", "stop", prompt_tokens=1, completion_tokens=10)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if messages[-1]["content"] == "q 2":
+                raise self.on_cancel from None
+            raise
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("transient", [True, False])
+def test_a_cancelled_request_that_fails_is_abandoned_only_if_the_failure_is_transient(
+    tmp_path: Path, transient: bool
+) -> None:
+    """Cancelling what the prefix no longer needs: a request that ends in a transient error
+    on its way out (a dropped connection) decoded what it decoded: abandoned, like the
+    others. Any other exception is a bug, and must not be journaled away as waste."""
+    from eagle3data.generation.engines import TransientError
+
+    prompts = [make_prompt(f"p{i}", [{"role": "user", "content": f"q {i}"}]) for i in range(4)]
+    j = GenerationJob(
+        dataset="A1",
+        prompts=prompts,
+        journal=tmp_path / "journal.jsonl",
+        model="m",
+        sampling=SAMPLING,
+        token_budget=10,
+        progress_interval_s=0,
+    )
+    error = TransientError("connection reset") if transient else RuntimeError("engine bug")
+    engine = _HangsUntilCancelled(error)
+    if transient:
+        result = run_generation(j, lambda: engine, streaming=True)
+        assert [r["id"] for r in result.rows] == ["p0"]
+        assert result.stats["abandoned_requests"] == 3
+        return
+    with pytest.raises(RuntimeError, match="engine bug"):
+        run_generation(j, lambda: engine, streaming=True)
+    # What was known is journaled all the same: the answer and the two plain cancels.
+    lines = [json.loads(line) for line in j.journal.read_text().splitlines()]
+    assert sorted((r["id"], r["status"]) for r in lines) == [
+        ("p0", "ok"),
+        ("p1", "abandoned"),
+        ("p3", "abandoned"),
+    ]

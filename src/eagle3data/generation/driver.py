@@ -788,7 +788,18 @@ async def _cancel(
     await asyncio.gather(*flights, return_exceptions=True)
     ended = {t: t.result() for t in flights if not t.cancelled() and t.exception() is None}
     finished = list(ended.values())
-    cancelled = [flight for t, flight in flights.items() if t not in ended]
+    # Cancelled, or ended by a transient error on the way out (a dropped connection): it
+    # decoded what it decoded. Any other exception is a bug: raised once the rest is kept.
+    broken = [
+        t.exception()
+        for t in flights
+        if not t.cancelled() and not isinstance(t.exception(), TransientError | type(None))
+    ]
+    cancelled = [
+        flight
+        for t, flight in flights.items()
+        if t not in ended and (t.cancelled() or isinstance(t.exception(), TransientError))
+    ]
     for flight in cancelled:
         run.clock.dropped(flight.pos)
     for task, record in ended.items():
@@ -808,6 +819,8 @@ async def _cancel(
         _estimated_tokens(abandoned),
         len(finished),
     )
+    if broken:
+        raise broken[0]
 
 
 QUEUE_POLL_S = 0.1  # how often the servers' queue gauges are read

@@ -800,3 +800,24 @@ def test_a_cancelled_request_that_fails_is_abandoned_only_if_the_failure_is_tran
         ("p1", "abandoned"),
         ("p3", "abandoned"),
     ]
+
+
+def test_a_journal_record_of_a_kind_this_build_does_not_know_is_named_with_versions(
+    tmp_path: Path,
+) -> None:
+    """A newer build's journal, read by this one: one line naming the file, the line, the
+    status and this build's version (builds before abandoned records crashed deep inside
+    on them)."""
+    from eagle3data import __version__
+    from eagle3data.errors import JournalCorruptError
+
+    prompts = make_prompts(2)
+    journal = tmp_path / "journal.jsonl"
+    newer = {"id": prompts[0].id, "prompt_hash": prompts[0].prompt_hash, "status": "paused"}
+    journal.write_text(dumps_line(newer))
+    j = GenerationJob(dataset="A1", prompts=prompts, journal=journal, model="m", sampling=SAMPLING)
+    with pytest.raises(JournalCorruptError) as caught:
+        run_generation(j, no_engine)
+    message = str(caught.value)
+    assert message.startswith(f"{journal}:1: a record of status 'paused'")
+    assert f"eagle3data {__version__}" in message and "ok, failed, abandoned" in message

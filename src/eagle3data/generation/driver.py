@@ -44,9 +44,10 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+from .. import __version__
 from ..atomic import write_jsonl
 from ..driver_signals import signal_name, stop_deferred
-from ..errors import GenerationAborted
+from ..errors import GenerationAborted, JournalCorruptError
 from .budget import (
     LengthFit,
     LengthModel,
@@ -72,6 +73,7 @@ from .engines.endpoint_slots import SLOT_POLL_S
 from .engines.server_queue import SentRequest, queued_positions
 from .journal import JournalWriter, read_journal
 from .records import (
+    RECORD_STATUSES,
     AbandonedRecord,
     JournalRecord,
     Turn,
@@ -132,7 +134,17 @@ def load_journal(job: GenerationJob) -> tuple[dict[str, JournalRecord], list[Aba
     wanted = {p.id: p.prompt_hash for p in job.prompts}
     records: dict[str, JournalRecord] = {}
     abandoned: list[AbandonedRecord] = []
-    for rec in read_journal(job.journal):
+    for lineno, rec in enumerate(read_journal(job.journal), start=1):  # a record a line
+        status = rec.get("status") if isinstance(rec, dict) else None
+        if status not in RECORD_STATUSES:
+            # Builds from before "abandoned" read such a record as an outcome and crashed
+            # deep inside; from here on a kind this build does not know is named.
+            raise JournalCorruptError(
+                f"{job.journal}:{lineno}: a record of status {status!r}, which this build "
+                f"(eagle3data {__version__}) does not know (it reads "
+                f"{', '.join(RECORD_STATUSES)}): a newer eagle3data wrote it; run that one, "
+                "or move the journal away to generate again"
+            )
         pid = rec.get("id")
         if wanted.get(pid) != rec.get("prompt_hash"):
             continue

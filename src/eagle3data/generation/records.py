@@ -45,6 +45,9 @@ import polars as pl
 
 from ..atomic import dumps_line
 
+# Every kind of record a journal holds (the docstring above); a reader refuses others.
+RECORD_STATUSES = ("ok", "failed", "abandoned")
+
 
 class TurnTokenIds(TypedDict):
     """A turn's token ids, stored once: the turn's prompt ids are the previous turn's

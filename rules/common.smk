@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 from snakemake.logging import logger
+from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import min_version, validate
 
 # The workflow's logic lives in src/eagle3data; make it importable without an install.
@@ -28,8 +29,14 @@ validate(config, "../config/schema.yaml")
 # Keys that cannot go together, and packages what the config enables needs: refused now,
 # not when their job runs after days of generation; in one line (raised, Snakemake would
 # add its own traceback of this file).
+# With conda environments the exports' and draft check's jobs import from theirs
+# (envs/torch.yaml), not from this process's.
+deploys_conda = DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method
 try:
-    check_config(config)
+    check_config(
+        config,
+        rule_env=Path(workflow.basedir) / "envs" / "torch.yaml" if deploys_conda else None,
+    )
 except ConfigError as problem:
     print(problem, file=sys.stderr)
     raise SystemExit(1)

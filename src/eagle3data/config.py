@@ -185,13 +185,17 @@ def model_problems(config: Mapping[str, Any]) -> list[str]:
     return []
 
 
-def environment_problems(config: Mapping[str, Any]) -> list[str]:
-    """The packages that what ``config`` enables imports and this environment lacks, looked
-    up without importing them: a run must not find out at its end (the exports run last)."""
+def environment_problems(config: Mapping[str, Any], rule_env: Path | None = None) -> list[str]:
+    """The packages that what ``config`` enables imports and its jobs will lack: a run must
+    not find out at its end (the exports run last). Without ``rule_env``, the jobs run in
+    this environment: looked up here without importing. With it (Snakemake deploying conda
+    environments), they run in the conda environment that file declares, which may not
+    exist yet: the packages must be among those it lists."""
     from .consumers.requirements import (
         SPECULATORS,
         SPECULATORS_EXPORT,
         SPECULATORS_README,
+        declared_packages,
         install_hint,
         missing_packages,
     )
@@ -203,7 +207,20 @@ def environment_problems(config: Mapping[str, Any]) -> list[str]:
     ]
     problems = []
     for key, enabled, packages in needs:
-        missing = missing_packages(packages) if enabled else []
+        if not enabled:
+            continue
+        if rule_env is not None:
+            listed = declared_packages(rule_env)
+            missing = [p for p in packages if p.distribution not in listed]
+            if missing:
+                problems.append(
+                    f"{key}: true needs {', '.join(p.module for p in missing)} in its jobs' "
+                    f"conda environment ({rule_env.name}), which does not list them: add "
+                    f"them to its pip section, or run without --software-deployment-method "
+                    f"conda ({SPECULATORS_README})"
+                )
+            continue
+        missing = missing_packages(packages)
         if missing:
             problems.append(
                 f"{key}: true needs {', '.join(p.module for p in missing)}, not installed "
@@ -218,12 +235,14 @@ def raise_problems(problems: list[str]) -> None:
         raise ConfigError("invalid config: " + "; ".join(problems))
 
 
-def check_config(config: dict[str, Any]) -> None:
+def check_config(config: dict[str, Any], rule_env: Path | None = None) -> None:
     """The checks the Snakefile makes after the schema's, before any job: counts spelled as
     integers (in place), the rules between keys, what the capture will ask of the model
-    directory, and the packages what the config enables needs here."""
+    directory, and the packages what the config enables needs where its jobs run
+    (``rule_env``: the conda environment file of the jobs that import them, when Snakemake
+    deploys conda environments; see :func:`environment_problems`)."""
     problems = spell_counts(config) + cross_key_problems(config)
-    raise_problems(problems + model_problems(config) + environment_problems(config))
+    raise_problems(problems + model_problems(config) + environment_problems(config, rule_env))
 
 
 def load_config(path: Path, schema: Path | None = None) -> dict[str, Any]:

@@ -56,6 +56,27 @@ def test_a_missing_speculators_is_named_when_the_config_enables_its_export(
     assert "datasets" not in message  # installed: only what is missing is named
 
 
+def test_with_conda_environments_the_jobs_environment_file_is_what_is_checked(
+    tmp_path: Path,
+) -> None:
+    """Snakemake deploying conda environments: the export's job imports from the rule's
+    environment, not from the Snakemake process's (where speculators is installed here),
+    so the check reads what that environment's file lists."""
+    config = validate_config(_config(speculators=True), PACKAGE_SCHEMA)
+    check_config(config)  # installed in this process: fine without conda
+    with pytest.raises(ConfigError) as caught:
+        check_config(config, rule_env=REPO / "envs" / "torch.yaml")
+    message = str(caught.value)
+    assert "\n" not in message and "speculators, hs_connectors, datasets" in message
+    assert "conda environment (torch.yaml)" in message
+    listing = tmp_path / "speculators.yaml"
+    listing.write_text(
+        "dependencies:\n  - python=3.11\n  - conda-forge::datasets>=4\n  - pip\n"
+        "  - pip:\n      - --no-deps\n      - Speculators==0.9.0\n      - hs_connectors==0.9.0\n"
+    )
+    check_config(config, rule_env=listing)
+
+
 def test_packages_of_a_disabled_export_are_not_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
     _hide(monkeypatch, "speculators", "hs_connectors", "datasets")
     check_config(validate_config(_config(specforge=True), PACKAGE_SCHEMA))

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import SpeculatorsExportError
 
@@ -27,6 +29,11 @@ class Package:
     module: str  # the top-level module
     pip_name: str
     no_deps: bool  # installed --no-deps: its own pins conflict with ours
+
+    @property
+    def distribution(self) -> str:
+        """The name an environment file lists it by, normalised (PEP 503)."""
+        return normalised_name(re.split(r"[<>=!~\[ ;]", self.pip_name, maxsplit=1)[0])
 
 
 SPECULATORS = Package("speculators", "speculators==0.9.0", no_deps=True)
@@ -49,6 +56,27 @@ SPECULATORS_EXPORT_IMPORTS = (
     "speculators.utils.loading",
 )
 SPECULATORS_README = "README, 'speculators export'"
+
+
+def normalised_name(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared_packages(env_file: Path) -> set[str]:
+    """The package names a conda environment file lists, conda's and pip's, normalised
+    (read as YAML: the file is what Snakemake will build the environment from)."""
+    import yaml
+
+    spec = yaml.safe_load(env_file.read_text()) or {}
+    names: set[str] = set()
+    for dep in spec.get("dependencies") or []:
+        entries = dep.get("pip", []) if isinstance(dep, dict) else [dep]
+        for entry in entries:
+            if isinstance(entry, str) and not entry.startswith("-"):
+                # "pkg==1.0", "conda-forge::pkg=1.*", "pkg[extra]>=2"
+                name = entry.split("::")[-1]
+                names.add(normalised_name(re.split(r"[<>=!~\[ ;]", name, maxsplit=1)[0]))
+    return names
 
 
 def missing_packages(packages: Sequence[Package]) -> list[Package]:

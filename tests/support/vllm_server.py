@@ -245,7 +245,15 @@ class HiddenStateCapture:
     ``storage``. The commands a user runs on GPUs: ``eagle3data.hidden_states.vllm_capture``."""
 
     layer_ids: Sequence[int]
-    storage: Path
+    storage: Path  # the folder the files go into, named after the layers as ours are
+    # What the folder's name states, when not ``layer_ids`` (a server started by hand).
+    stated_ids: Sequence[int] | None = None
+
+    @property
+    def folder(self) -> Path:
+        from eagle3data.hidden_states.vllm_capture import layers_folder
+
+        return self.storage / layers_folder(self.stated_ids or self.layer_ids)
 
     def server_args(self) -> dict[str, Any]:
         from eagle3data.hidden_states.vllm_capture import kv_transfer_config, speculative_config
@@ -253,7 +261,7 @@ class HiddenStateCapture:
         connector = {"module": CPU_CONNECTOR_MODULE, "name": CPU_CONNECTOR_CLASS}
         return {
             "speculative_config": json.dumps(speculative_config(self.layer_ids)),
-            "kv_transfer_config": json.dumps(kv_transfer_config(str(self.storage), connector)),
+            "kv_transfer_config": json.dumps(kv_transfer_config(str(self.folder), connector)),
         }
 
 

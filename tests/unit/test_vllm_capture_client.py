@@ -29,6 +29,8 @@ from eagle3data.hidden_states.layers import resolve_aux_layers
 from eagle3data.hidden_states.vllm_capture import (
     VLLMCapture,
     kv_transfer_config,
+    layers_folder,
+    stated_layers,
     main,
     request_prefix,
     speculative_config,
@@ -129,7 +131,10 @@ def test_the_serve_command_comes_from_the_config(tmp_path: Path, capsys: Any) ->
         8,
     ]
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert kv["kv_connector_extra_config"]["shared_storage_path"] == "/data/hs"
+    # The folder states the layers: the capture reads them back from the files' paths.
+    folder = kv["kv_connector_extra_config"]["shared_storage_path"]
+    assert folder == "/data/hs/eagle3data-layers-3-4-6-8"
+    assert stated_layers(Path(folder)) == [3, 4, 6, 8]
     assert args[-3:] == ["-tp", "8", "--trust-remote-code"]
 
 
@@ -275,8 +280,9 @@ def llama(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def storage(tmp_path: Path) -> Path:
-    """The stand-in server's shared_storage_path."""
-    folder = tmp_path / "storage"
+    """The stand-in server's shared_storage_path, named after the layers it captures as
+    the printed command names it (the tiny Llama's 8 layers, aux layers auto)."""
+    folder = tmp_path / layers_folder(vllm_layer_ids(resolve_aux_layers("auto", 8, "layer_output")))
     folder.mkdir()
     return folder
 
@@ -364,3 +370,19 @@ def test_samples_longer_than_the_servers_context_are_refused_before_any_request(
         assert len(capture.forward([[1] * 1023])[0][0]) == 1023  # what fits is captured
     finally:
         capture.close()
+
+
+@pytest.mark.parametrize("folder", ["eagle3data-layers-3-4-6-8", "hs"])
+def test_a_server_whose_storage_states_other_layers_or_none_is_refused(
+    llama: Path, tmp_path: Path, stand_in: Any, folder: str
+) -> None:
+    """vLLM says its capture layers nowhere but in the storage folder our command names
+    after them: a server started with other layers (or named otherwise, by hand) returns
+    four layers of the right width and would fill shards labelled with ours."""
+    storage = tmp_path / folder
+    storage.mkdir()
+    message = capture_error(llama, stand_in(StandIn(storage, (4, 64), torch.float32)))
+    said = "states layers [3, 4, 6, 8]" if folder != "hs" else "does not state the layers"
+    assert said in message and "this config captures layers [2, 4, 5, 8]" in message
+    assert "eagle3data-layers-2-4-5-8" in message  # the command to start it with
+    assert list(storage.iterdir()) == []  # the probe's file deleted, nothing captured

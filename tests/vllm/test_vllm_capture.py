@@ -101,7 +101,7 @@ def capture_server(
 
 
 def leftovers(server: VLLMServer) -> list[str]:
-    storage = server.capture.storage if server.capture else None
+    storage = server.capture.folder if server.capture else None
     return sorted(p.name for p in storage.iterdir()) if storage and storage.exists() else []
 
 
@@ -225,6 +225,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         rounds["resumed"] = collect(wf, "resumed", server)
 
         rounds["dtype_error"] = dtype_mismatch(model_dir, server)
+        rounds["layers_error"] = layers_mismatch(model_dir, server)
         rounds["post"] = recapture(wf, server, "post-norm", final_state="post_norm")
     with capture_server(base, model_dir, "tp2", tp=2) as server:
         rounds["tp2"] = recapture(wf, server, "tp 2", final_state="pre_norm")
@@ -239,6 +240,26 @@ def dtype_mismatch(model_dir: Path, server: VLLMServer) -> str:
         VLLMCapture(str(model_dir), dtype="bfloat16", options={"url": server.url})
     assert leftovers(server) == []
     return str(caught.value)
+
+
+def layers_mismatch(model_dir: Path, server: VLLMServer) -> str:
+    """What the capture says when the server was started with other layers than the
+    config's (here: the config asks other aux layers of the same server), before any work."""
+    with pytest.raises(VLLMCaptureError) as caught:
+        VLLMCapture(str(model_dir), dtype=DTYPE, aux_layers=[0, 2, 5], options={"url": server.url})
+    assert leftovers(server) == []
+    return str(caught.value)
+
+
+def test_a_server_started_with_other_layers_is_refused_before_any_work(
+    llama: dict[str, Any],
+) -> None:
+    """vLLM answers four layers of the right width whatever layers it was started with;
+    its storage folder, named after them by the printed command, says which."""
+    message: str = llama["layers_error"]
+    assert "\n" not in message
+    assert f"states layers {vllm_layer_ids(AUX)}" in message, message
+    assert "this config captures layers [1, 3, 6, 8]" in message, message
 
 
 def test_one_server_generates_and_captures(llama: dict[str, Any]) -> None:

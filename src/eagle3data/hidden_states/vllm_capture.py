@@ -89,6 +89,23 @@ def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
     }
 
 
+# vLLM states its capture layers in no answer and no file: the capture server's storage
+# folder, which every answer names, is named after them by the command we print, so the
+# server itself says which layers it was started with. A folder named otherwise is refused.
+_LAYERS_FOLDER = re.compile(r"^eagle3data-layers-(\d+(?:-\d+)*)$")
+
+
+def layers_folder(layer_ids: Sequence[int]) -> str:
+    """The name of a capture server's storage folder that states its ``layer_ids``."""
+    return "eagle3data-layers-" + "-".join(str(i) for i in layer_ids)
+
+
+def stated_layers(storage: Path) -> list[int] | None:
+    """The layer ids a storage folder's name states, or None when it states none."""
+    match = _LAYERS_FOLDER.match(storage.name)
+    return [int(i) for i in match[1].split("-")] if match else None
+
+
 def kv_transfer_config(storage: str, connector: Mapping[str, str] | None = None) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` writing the states into ``storage``: vLLM's stock
     connector, or ``connector`` (``{"name": class, "module": module path}``)."""
@@ -106,15 +123,17 @@ def kv_transfer_config(storage: str, connector: Mapping[str, str] | None = None)
 def serve_command(
     model: str, aux: AuxLayers, storage: str, *, extra: Sequence[str] = ()
 ) -> list[str]:
-    """The ``vllm serve`` command of a capture server for ``aux``, writing to ``storage``."""
+    """The ``vllm serve`` command of a capture server for ``aux``, writing into a folder
+    of ``storage`` named after the layers it captures (:func:`layers_folder`)."""
+    layer_ids = vllm_layer_ids(aux)
     return [
         "vllm",
         "serve",
         model,
         "--speculative-config",
-        json.dumps(speculative_config(vllm_layer_ids(aux))),
+        json.dumps(speculative_config(layer_ids)),
         "--kv-transfer-config",
-        json.dumps(kv_transfer_config(storage)),
+        json.dumps(kv_transfer_config(str(Path(storage) / layers_folder(layer_ids)))),
         *extra,
     ]
 
@@ -287,6 +306,18 @@ class VLLMCapture:
         """Capture two tokens and check the answer; the server's storage folder."""
         path, tensors = self._loop.run_until_complete(self._capture(_PROBE_IDS, probe=True))
         storage = Path(path).parent
+        stated = stated_layers(storage)
+        if stated != self.layer_ids:
+            said = (
+                f"its storage folder {storage} states layers {stated}"
+                if stated is not None
+                else f"it writes into {storage}, a folder whose name does not state the "
+                f"layers it captures (vLLM says them nowhere else)"
+            )
+            raise VLLMCaptureError(
+                f"{self.url}: {said}; this config captures layers {self.layer_ids} "
+                f"(hidden_states.aux_layers, then the final state); {self._serve_hint()}"
+            )
         # Files of this job's killed attempt: its requests still finished and were saved.
         for stale in storage.glob(f"cmpl-{self.prefix}*.safetensors"):
             discard_states(str(stale))

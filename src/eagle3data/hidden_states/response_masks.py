@@ -9,8 +9,19 @@ mask-placement bug in that code passes it. This check reads only the row and the
   sample trains, in order (those inside ``max_seq_len`` when the sample was cut), and
   each turn's completion ids decode to the turn's reasoning and content, in that order
   (whitespace aside: reasoning parsers strip it).
-* A row without ids (re-rendered): the text of each sample's supervised tokens holds the
-  reasoning (unless dropped) and content of the assistant turns it trains, in order.
+* A row without ids (re-rendered, and every row under ``tokenize.reasoning: drop``): each
+  trained turn's supervised tokens are exactly the smallest run of tokens whose text holds
+  the turn's output as the chat template writes it after the turn's own generation prompt
+  (``render(messages[:i + 1])`` past ``render(messages[:i], add_generation_prompt=True)``:
+  reasoning block, content, tool-call markup, end-of-turn token; a template that renders
+  the reasoning of none, as Kimi-K2.5's last turn, gets it in front of its ``</think>``).
+  Dropping either end token of a run must lose part of that text, so a mask one token
+  too wide (the header's last token, the next turn's first) fails. Whitespace: exact where
+  the tokenizer gives back what it encoded (byte-level BPE, tiktoken); otherwise compared
+  without whitespace, and an end token that decodes to whitespace only is not judged.
+  This derivation is written here again, apart from :mod:`eagle3data.chat`'s (which also
+  handles templates that re-render history, for which this check falls back to finding
+  the turn's reasoning and content in order), so a bug in that code fails here.
 
 Which turns a sample trains comes from the ids (tokenization.table): the whole
 conversation's sample all of them; ``{id}#{i}`` those from message index ``i`` up to the
@@ -58,6 +69,7 @@ def response_mask_errors(
     *,
     max_seq_len: int | None,
     reasoning: str,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
     dropped_ids: Collection[str] = (),
 ) -> list[str]:
     """One line per sample of ``responses`` whose supervised tokens are not what its row
@@ -69,7 +81,15 @@ def response_mask_errors(
         dropped = {owners[d][1] for d in dropped_ids if d in owners and owners[d][0] == k}
         firsts = {sample.first_turn for sample in stored[k]} | dropped
         starts = sorted(first for first in firsts if first is not None)
-        errors += _row_errors(tokenizer, response, stored[k], starts, max_seq_len, reasoning)
+        errors += _row_errors(
+            tokenizer,
+            response,
+            stored[k],
+            starts,
+            max_seq_len,
+            reasoning,
+            dict(chat_template_kwargs or {}),
+        )
     return errors
 
 
@@ -125,6 +145,7 @@ def _row_errors(
     starts: Sequence[int],
     max_seq_len: int | None,
     reasoning: str,
+    chat_template_kwargs: dict[str, Any],
 ) -> list[str]:
     row = response.row
     turns = _assistant_turns(row)
@@ -144,7 +165,9 @@ def _row_errors(
             errors += _engine_id_errors(tokenizer, where, sample, row, pairs, max_seq_len)
         else:
             cut = max_seq_len is not None and len(sample.input_ids) >= max_seq_len
-            errors += _text_errors(tokenizer, where, sample, row, trained, reasoning, cut)
+            errors += _rendered_errors(
+                tokenizer, where, sample, row, trained, reasoning, chat_template_kwargs, cut
+            )
     return errors
 
 
@@ -198,6 +221,113 @@ def _engine_id_errors(
     return errors
 
 
+def _rendered_errors(
+    tokenizer: PreTrainedTokenizerBase,
+    where: str,
+    sample: _StoredSample,
+    row: Mapping[str, Any],
+    turns: Sequence[int],
+    reasoning: str,
+    chat_template_kwargs: dict[str, Any],
+    cut: bool,
+) -> list[str]:
+    """A re-rendered sample: each trained turn's supervised run against the turn's output
+    as the template writes it (module docstring); a sample cut at max_seq_len is judged up
+    to the cut (its last run may end early)."""
+    messages = [dict(m) for m in row["messages"]]
+    if reasoning == "drop":
+        for m in messages:
+            m.pop("reasoning_content", None)
+    runs = _supervised_runs(sample.input_ids, sample.loss_mask)
+    tools = row.get("tools")
+    outputs = [
+        _turn_output_text(tokenizer, messages, tools, i, chat_template_kwargs) for i in turns
+    ]
+    if None in outputs or (not cut and len(runs) != len(turns)) or len(runs) > len(turns):
+        if not cut and None not in outputs:
+            return [
+                f"{where}: its supervised tokens form {len(runs)} run(s) where it trains "
+                f"{len(turns)} assistant turn(s) {list(turns)}"
+            ]
+        # A template that re-renders history: the turns' texts, in order.
+        return _text_errors(tokenizer, where, sample, row, turns, reasoning, cut)
+    errors = []
+    for n, (i, run) in enumerate(zip(turns, runs, strict=False)):
+        output = outputs[n]
+        assert output is not None
+        problem = _run_problem(tokenizer, run, output, cut and n == len(runs) - 1)
+        if problem is not None:
+            errors.append(f"{where}: assistant turn {i}: {problem}")
+    return errors
+
+
+def _turn_output_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Any,
+    i: int,
+    chat_template_kwargs: dict[str, Any],
+) -> str | None:
+    """What the template writes for assistant turn ``i`` after its generation prompt; None
+    when the turn's render does not extend its prompt (a template that re-renders
+    history)."""
+    from ..chat import THINK_CLOSE, render
+
+    kwargs = {"chat_template_kwargs": chat_template_kwargs, "tools": tools}
+    prompt = render(tokenizer, messages[:i], add_generation_prompt=True, **kwargs)
+    full = render(tokenizer, messages[: i + 1], add_generation_prompt=False, **kwargs)
+    if not full.startswith(prompt):
+        return None
+    output = full[len(prompt) :]
+    thought = _text_of(messages[i].get("reasoning_content"))
+    if thought and thought.strip() not in output and output.startswith(THINK_CLOSE):
+        output = thought + output  # the prompt opened the block; the model wrote the rest
+    return output
+
+
+def _run_problem(
+    tokenizer: PreTrainedTokenizerBase, run: Sequence[int], output: str, cut: bool
+) -> str | None:
+    """Why ``run`` is not the smallest run of tokens holding ``output``; None if it is. A
+    run the sample's cut at max_seq_len ends early is judged on the part of ``output`` it
+    holds, at its start only."""
+    text = _decode_all(tokenizer, run)
+    exact = _decode_all(tokenizer, tokenizer.encode(output, add_special_tokens=False)) == output
+    norm = (lambda t: t) if exact else _squeezed
+    wanted = norm(output)
+    if cut:  # the longest start of the output the run holds (a longer one holds a shorter)
+        lo, hi = 0, len(wanted)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if wanted[:mid] in norm(text) else (lo, mid - 1)
+        wanted = wanted[:lo]
+    if not wanted or wanted not in norm(text):
+        return (
+            f"its supervised tokens decode to {text[:_SHOWN_CHARS]!r}, which does not hold "
+            f"the turn's output as the template writes it ({output[:_SHOWN_CHARS]!r})"
+        )
+    for side, rest, edge in (("start", run[1:], run[0]), ("end", run[:-1], run[-1])):
+        if not rest or (cut and side == "end"):
+            continue
+        if not exact and not _decode_all(tokenizer, [edge]).strip():
+            continue  # whitespace, where the tokenizer does not give it back exactly
+        if wanted in norm(_decode_all(tokenizer, rest)):
+            return _wider(side, text, output)
+    return None
+
+
+def _wider(side: str, text: str, output: str) -> str:
+    return (
+        f"its mask is wider than the turn's output at the {side}: the supervised tokens "
+        f"decode to {text[:_SHOWN_CHARS]!r}...{text[-_SHOWN_CHARS // 2 :]!r}, the template "
+        f"writes {output[:_SHOWN_CHARS]!r}...{output[-_SHOWN_CHARS // 2 :]!r}"
+    )
+
+
+def _decode_all(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    return str(tokenizer.decode(list(ids), clean_up_tokenization_spaces=False))
+
+
 def _text_errors(
     tokenizer: PreTrainedTokenizerBase,
     where: str,
@@ -207,10 +337,10 @@ def _text_errors(
     reasoning: str,
     cut: bool,
 ) -> list[str]:
-    """The text of a re-rendered sample's supervised tokens against its turns' text (a
-    sample cut at max_seq_len may lack what came after the cut)."""
+    """A sample of a template that re-renders history: the text of its supervised tokens
+    holds its turns' reasoning (kept) and content, in order (cut: up to the cut)."""
     text = "".join(
-        str(tokenizer.decode(run)) for run in _supervised_runs(sample.input_ids, sample.loss_mask)
+        _decode_all(tokenizer, run) for run in _supervised_runs(sample.input_ids, sample.loss_mask)
     )
     fields = ("reasoning_content", "content") if reasoning == "keep" else ("content",)
     pieces = [

@@ -45,6 +45,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .errors import ShardFormatError
+from .hidden_states import fingerprint
 from .hidden_states.final_state import (
     FINAL_STATES,
     POST_NORM,
@@ -71,6 +72,9 @@ class ShardFile:
     dataset: str
     num_samples: int
     final_state: str = POST_NORM  # what its last_hidden_states hold
+    # What its dataset's capture was (the manifest's; fingerprint.py): the shard must say
+    # the same when opened. None: written before fingerprints.
+    fingerprint: dict[str, Any] | None = None
 
 
 def find_shards(directory: str | os.PathLike[str]) -> list[ShardFile]:
@@ -87,9 +91,13 @@ def find_shards(directory: str | os.PathLike[str]) -> list[ShardFile]:
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         dataset = str(manifest.get("dataset", directory.name))
-        final_state = final_state_of(manifest.get("attrs") or {}, manifest_path)
+        attrs = manifest.get("attrs") or {}
+        final_state = final_state_of(attrs, manifest_path)
+        captured = fingerprint.fingerprint_of(attrs)
         return [
-            ShardFile(directory / entry["file"], dataset, int(entry["samples"]), final_state)
+            ShardFile(
+                directory / entry["file"], dataset, int(entry["samples"]), final_state, captured
+            )
             for entry in manifest["shards"]
         ]
     paths = sorted(directory.glob(SHARD_GLOB))
@@ -100,12 +108,19 @@ def find_shards(directory: str | os.PathLike[str]) -> list[ShardFile]:
         )
     log.warning("%s: no %s, reading %d unvalidated shard file(s)", directory, MANIFEST, len(paths))
     shards = []
+    seen: list[tuple[str, dict[str, Any]]] = []
     for path in paths:
         # Opened and closed here, before any worker exists; workers reopen their own.
         with open_shard(path) as shard:
-            dataset = str(shard.attrs.get("dataset", directory.name))
-            final_state = final_state_of(shard.attrs, path)
-            shards.append(ShardFile(path, dataset, shard.num_samples, final_state))
+            attrs = dict(shard.attrs)
+            dataset = str(attrs.get("dataset", directory.name))
+            final_state = final_state_of(attrs, path)
+            captured = fingerprint.fingerprint_of(attrs)
+            shards.append(ShardFile(path, dataset, shard.num_samples, final_state, captured))
+            seen.append((str(path), attrs))
+    mixed = fingerprint.mixed_fingerprint_errors(seen)
+    if mixed:
+        raise ShardFormatError(mixed[0])
     return shards
 
 
@@ -231,6 +246,15 @@ class HiddenStateDataset(Dataset[dict[str, Any]]):
             raise ShardFormatError(
                 f"{info.path}: holds {shard.num_samples} conversations but its "
                 f"{MANIFEST} lists {info.num_samples}; the directory changed after validation"
+            )
+        differ = fingerprint.differences(
+            info.fingerprint, fingerprint.fingerprint_of(dict(shard.attrs))
+        )
+        if differ:
+            shard.close()
+            raise ShardFormatError(
+                f"{info.path}: captured otherwise than its {MANIFEST} says ({'; '.join(differ)});"
+                f" the directory changed after validation: validate it again"
             )
         self._open[k] = shard
         if len(self._open) > self.max_open_shards:

@@ -137,6 +137,16 @@ def resolve_dtype_name(requested: str, config: Any) -> str:
     return declared_dtype(config) if requested == "auto" else requested
 
 
+def weights_quantization(config: Any) -> str:
+    """How the checkpoint's weights are quantized, as its ``quantization_config`` names it
+    (``fp8``, ``compressed-tensors``, ...; a wrapper's text decoder's too), or ``none``."""
+    quant = _text_decoder_value(config, "quantization_config")
+    if not isinstance(quant, Mapping):
+        return "none"
+    method = quant.get("quant_method") or quant.get("format") or "unnamed"
+    return str(method)
+
+
 def _positive(config: Any, key: str) -> int:
     value = _text_decoder_value(config, key)
     if value is None:

@@ -57,14 +57,19 @@ def response(tokenizer: Any, k: int, *, ids: bool = True, split_turn: int = -1) 
 
 
 def dataset(
-    tmp_path: Path, model_dir: Path, rows: list[dict], max_seq_len: int = 4096
+    tmp_path: Path,
+    model_dir: Path,
+    rows: list[dict],
+    max_seq_len: int = 4096,
+    reasoning: str = "keep",
 ) -> dict[str, Any]:
     """Tokenize ``rows`` with the stage and write them into one shard (zero states: the
     agreement check is off here), with its plan; the validate() arguments."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     responses = tmp_path / "A1.jsonl"
     responses.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tokenized, stats = tmp_path / "A1.parquet", tmp_path / "A1.stats.json"
-    settings = {**SETTINGS, "max_seq_len": max_seq_len}
+    settings = {**SETTINGS, "max_seq_len": max_seq_len, "reasoning": reasoning}
     tokenize(
         dataset="A1",
         responses_path=str(responses),
@@ -123,6 +128,20 @@ def with_mask_bug(monkeypatch: pytest.MonkeyPatch, bug: Callable[[list[int]], li
     monkeypatch.setattr(samples_module, "tokenize_response", buggy)
 
 
+def one_wider_at_the_start(mask: list[int]) -> list[int]:
+    """The token before each supervised run too (the generation prompt's last)."""
+    return [1 if m or (k + 1 < len(mask) and mask[k + 1]) else 0 for k, m in enumerate(mask)]
+
+
+def one_wider_at_the_end(mask: list[int]) -> list[int]:
+    """The token after each supervised run too (the next turn's first)."""
+    return [1 if m or (k > 0 and mask[k - 1]) else 0 for k, m in enumerate(mask)]
+
+
+def the_whole_conversation(mask: list[int]) -> list[int]:
+    return [1] * len(mask)
+
+
 def rows_of(tokenizer: Any) -> list[dict]:
     return [
         response(tokenizer, 0),  # one sample from the engine's ids
@@ -158,6 +177,38 @@ def test_a_mask_placement_bug_in_tokenize_response_is_caught(
         assert any(f"A1.jsonl:{line}" in e and "completion ids" in e for e in named), message
     if bug is shifted_by_one:  # the re-rendered row's first answer token is left out
         assert "sample 'q2'" in message and "assistant turn" in message
+
+
+@pytest.mark.parametrize(
+    "bug", [one_wider_at_the_start, one_wider_at_the_end, the_whole_conversation]
+)
+@pytest.mark.parametrize("reasoning", ["keep", "drop"])
+def test_a_mask_wider_than_the_turns_fails_for_re_rendered_rows(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    bug: Callable,
+    reasoning: str,
+) -> None:
+    """Rows without the engine's ids (and every row under reasoning: drop) are checked by
+    their text: a mask one token too wide at either end, or over everything, fails (the
+    text of the turns is still inside it, which is all an older check asked)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [response(tok, 0, ids=False), response(tok, 1, ids=False)]
+    validate(**dataset(tmp_path / "good", tiny_model_dir, rows, reasoning=reasoning))
+    with_mask_bug(monkeypatch, bug)
+    bad = dataset(tmp_path / "bad", tiny_model_dir, rows, reasoning=reasoning)
+    with pytest.raises(ValidationError) as caught:
+        validate(**bad)
+    message = str(caught.value)
+    for sample_id, line in [("q0", 1), ("q1", 2)]:
+        named = [e for e in message.splitlines() if f"sample {sample_id!r}" in e]
+        assert any(f"A1.jsonl:{line}" in e and "assistant turn" in e for e in named), message
+    side = {one_wider_at_the_start: "at the start", one_wider_at_the_end: "at the end"}
+    if bug in side:
+        assert f"wider than the turn's output {side[bug]}" in message, message
 
 
 def test_samples_cut_at_max_seq_len_or_dropped_pass(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -205,3 +256,51 @@ def test_template_tails_match_the_turns_of_a_sample_from_its_first_turn() -> Non
     }
     tails = agreement.template_tails(mask, np.array([0, 7]), ["r#3"], turns)
     assert np.flatnonzero(tails).tolist() == [5, 6]
+
+
+def test_shards_of_two_captures_in_one_dataset_fail_validation(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The capture fingerprint (hidden_states.fingerprint): a dataset whose shards were
+    captured two ways is refused, naming the shard and the fields that differ."""
+    from transformers import AutoTokenizer
+
+    from eagle3data.hidden_states import fingerprint
+    from eagle3data.shards import open_shard
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    args = dataset(tmp_path, tiny_model_dir, rows_of(tok))
+    # The one shard split in two, the second from another engine.
+    [path] = args["shard_paths"]
+    with open_shard(path) as shard:
+        own = ("num_samples", "num_tokens", "compression", "format", "format_version")
+        own += ("hidden_dtype", "hidden_encoding", "hidden_size", "storage_dtype")
+        attrs = {k: v for k, v in shard.attrs.items() if k not in own}
+        samples = [
+            (
+                shard.sample_ids[i],
+                shard.input_ids[shard.sample_offsets[i] : shard.sample_offsets[i + 1]].tolist(),
+                shard.loss_mask[shard.sample_offsets[i] : shard.sample_offsets[i + 1]].tolist(),
+            )
+            for i in range(shard.num_samples)
+        ]
+    capture = {f: "x" for f in fingerprint.FIELDS}
+    halves = [samples[:2], samples[2:]]
+    paths = []
+    for k, (half, engine) in enumerate(zip(halves, ["vllm 0.32.0", "sglang 0.5.23"], strict=True)):
+        paths.append(str(tmp_path / f"A1_{k:05d}.h5"))
+        shard_attrs = {
+            **attrs,
+            fingerprint.ATTR: fingerprint.fingerprint_attr({**capture, "engine": engine}),
+        }
+        with ShardWriter(paths[-1], hidden_size=4, hidden_dtype="float32", attrs=shard_attrs) as w:
+            for sample_id, ids, mask in half:
+                w.add(sample_id, ids, mask, torch.zeros(len(ids), 12), torch.zeros(len(ids), 4))
+    plan = {"shards": [{"start": 0, "end": 2}, {"start": 2, "end": 4}], "hidden_size": 4}
+    Path(args["plan_path"]).write_text(json.dumps(plan))
+    args["shard_paths"] = paths
+    with pytest.raises(ValidationError) as caught:
+        validate(**args)
+    message = str(caught.value)
+    assert "A1_00001.h5: captured otherwise than" in message, message
+    assert "engine: 'vllm 0.32.0' vs 'sglang 0.5.23'" in message, message

@@ -30,10 +30,10 @@ from eagle3data.hidden_states.vllm_capture import (
     VLLMCapture,
     kv_transfer_config,
     layers_folder,
-    stated_layers,
     main,
     request_prefix,
     speculative_config,
+    stated_layers,
     vllm_layer_ids,
 )
 from eagle3data.hidden_states.vllm_files import discard_states, read_states

@@ -46,6 +46,12 @@ class Extractor(Protocol):
         self, samples: Sequence[Sequence[int]]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
+    def capture_fingerprint(self) -> dict[str, Any]:
+        """Its part of the shards' fingerprint (:mod:`.fingerprint`): ``engine``,
+        ``layout``, ``aux_layers_confirmed_by`` (and ``weights_quantization`` where the
+        engine quantizes)."""
+        ...
+
 
 @dataclass(frozen=True)
 class EngineTarget:

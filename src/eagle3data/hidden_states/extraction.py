@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ValidationError
+from ..model_config import read_model_config, weights_quantization
 from ..shards import ShardWriter
 from ..tokenization.table import read_row_range
-from . import final_state
+from . import final_state, fingerprint
 from .backends import Extractor, build_extractor
 from .planning import shard_spec
 from .settings import storage_dtype
@@ -170,6 +171,17 @@ def extract_shard(
         "compute_dtype": dtype,
         **extractor.aux.as_attrs(),
     }
+    attrs[fingerprint.ATTR] = fingerprint.fingerprint_attr(
+        {
+            "weights_quantization": weights_quantization(read_model_config(model_path)),
+            "aux_layer_ids": list(extractor.aux.layer_ids),
+            "final_state": extractor.final_state,
+            "compute_dtype": dtype,
+            "tokenizer_hash": tok_stats["tokenizer_hash"],
+            "chat_template_hash": tok_stats["chat_template_hash"],
+            **extractor.capture_fingerprint(),
+        }
+    )
 
     def progress(n: int, of: int, conversations: int) -> None:
         log.info(

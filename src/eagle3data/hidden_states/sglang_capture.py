@@ -472,6 +472,32 @@ def drop_messaging_contexts() -> None:
 class SGLangCapture:
     """An :class:`~.backends.Extractor` on an ``sglang.Engine``."""
 
+    def capture_fingerprint(self) -> dict[str, Any]:
+        """The engine's part of the shards' fingerprint (:mod:`.fingerprint`): the parallel
+        layout the engine was started with (not the GPUs' placement, which changes
+        nothing in the states)."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            engine = f"sglang {version('sglang')}"
+        except PackageNotFoundError:  # a stand-in engine (the unit tests)
+            engine = "sglang (not installed here)"
+        kw = self.engine_kwargs
+        layout = f"tp {kw['tp_size']}, dp {kw['dp_size']}, ep {kw['ep_size']}"
+        if kw["enable_dp_attention"]:
+            layout += " (dp attention)"
+        if kw.get("device") == "cpu":
+            layout += ", cpu"
+        fingerprint = {
+            "engine": engine,
+            "layout": layout,
+            "aux_layers_confirmed_by": "SGLang's capture of the layers asked for (rows "
+            "of 4 x the hidden size checked)",
+        }
+        if kw.get("quantization"):
+            fingerprint["weights_quantization"] = f"{kw['quantization']} (by SGLang)"
+        return fingerprint
+
     def __init__(
         self,
         model_path: str,

@@ -42,6 +42,7 @@ class HiddenStateExtractor:
         if final_state not in FINAL_STATES:
             raise ValueError(f"final_state must be one of {list(FINAL_STATES)}: {final_state!r}")
         self.final_state = final_state
+        self._gpus = gpus
         self.model, self.tokenizer = load_causal_lm(
             model_path, dtype=dtype, device=device, gpus=gpus, trust_remote_code=trust_remote_code
         )
@@ -57,6 +58,17 @@ class HiddenStateExtractor:
             layers[k].register_forward_hook(self._hook(f"aux{k}"))
         pre_norm = final_state == PRE_NORM
         self.base.norm.register_forward_hook(self._hook("final", norm_input=pre_norm))
+
+    def capture_fingerprint(self) -> dict[str, Any]:
+        """The engine's part of the shards' fingerprint (:mod:`.fingerprint`)."""
+        import transformers
+
+        device = self.model.device.type
+        return {
+            "engine": f"transformers {transformers.__version__}",
+            "layout": device if device == "cpu" else f"{device} x{self._gpus}",
+            "aux_layers_confirmed_by": "forward hooks on those decoder layers",
+        }
 
     def _hook(self, name: str, *, norm_input: bool = False) -> Any:
         def capture(_module: Any, inputs: Any, output: Any) -> None:

@@ -17,7 +17,7 @@ from ..atomic import write_json
 from ..errors import ValidationError
 from ..shards import open_shard, validate_shard
 from ..tokenization.table import sample_id_of
-from . import agreement
+from . import agreement, fingerprint
 from .final_state import PRE_NORM, FinalNorm, final_state_of, load_final_norm
 from .layers import AuxLayerError, resolve_aux_layers
 from .response_masks import SampledResponse, response_mask_errors
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 CHECKS = [
     "format name and version",
+    "every shard captured the same way (capture fingerprint)",
     "dataset shapes and dtypes against attributes",
     "offsets start at 0, strictly increase, end at the token count",
     "all hidden states finite",
@@ -165,6 +166,7 @@ def response_sample_errors(
             shard_paths,
             max_seq_len=tokenize["max_seq_len"],
             reasoning=tokenize["reasoning"],
+            chat_template_kwargs=tokenize["chat_template_kwargs"],
             dropped_ids=dropped_ids,
         ),
     ]
@@ -366,6 +368,8 @@ def validate(
             }
         )
     attrs: dict[str, Any] = {}
+    if shard_paths and not errors:
+        errors.extend(fingerprint.mixed_fingerprint_errors(_shard_attrs(shard_paths)))
     if shard_paths and not errors:  # a dataset can be empty (e.g. token_budget 0)
         with open_shard(shard_paths[0]) as first:
             skip = ("shard", "num_samples", "num_tokens")
@@ -413,6 +417,9 @@ def validate(
         "shards": shards,
         "checks": checks,
         "attrs": _jsonable(attrs),
+        # What made the states (every shard's is the same: checked above); None for shards
+        # written before it existed.
+        "capture_fingerprint": fingerprint.fingerprint_of(attrs),
         # None: the check was off (validate.agreement.enabled: false).
         "agreement": agreement_section,
     }
@@ -424,6 +431,14 @@ def validate(
         manifest["num_samples"],
         manifest["num_tokens"],
     )
+
+
+def _shard_attrs(shard_paths: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for path in shard_paths:
+        with open_shard(path) as shard:
+            out.append((path, dict(shard.attrs)))
+    return out
 
 
 def _jsonable(obj: Any) -> Any:

@@ -230,6 +230,7 @@ class VLLMCapture:
         self._session: aiohttp.ClientSession | None = None
         try:
             self.model_name, self.max_model_len = self._loop.run_until_complete(self._start())
+            self.server_version = self._loop.run_until_complete(self._version())
             self.storage = self._probe()
         except BaseException:
             self.close()
@@ -302,7 +303,27 @@ class VLLMCapture:
                 )
         return str(chosen["id"]), chosen.get("max_model_len")
 
-    def _probe(self) -> str:
+    async def _version(self) -> str | None:
+        """The server's vLLM version (``GET /version``, vLLM's own route); None if unsaid."""
+        assert self._session is not None
+        url = f"{self.url.removesuffix('/v1')}/version"
+        try:
+            async with self._session.get(url) as resp:
+                payload = json_or_none(await resp.text()) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        version = payload.get("version") if isinstance(payload, dict) else None
+        return str(version) if version else None
+
+    def capture_fingerprint(self) -> dict[str, Any]:
+        """The engine's part of the shards' fingerprint (:mod:`.fingerprint`)."""
+        return {
+            "engine": f"vllm {self.server_version or '(version not reported)'}",
+            "layout": "vllm server (its layout is not reported)",
+            "aux_layers_confirmed_by": f"the server's storage folder ({self.storage.name})",
+        }
+
+    def _probe(self) -> Path:
         """Capture two tokens and check the answer; the server's storage folder."""
         path, tensors = self._loop.run_until_complete(self._capture(_PROBE_IDS, probe=True))
         storage = Path(path).parent
@@ -340,7 +361,7 @@ class VLLMCapture:
                 f"server with --dtype {str(self.dtype).removeprefix('torch.')}, or set "
                 f"hidden_states.dtype to the server's"
             )
-        return str(storage)
+        return storage
 
     # -- capture -------------------------------------------------------------------------
 

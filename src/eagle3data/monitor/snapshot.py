@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..atomic import live_temporaries
+from ..hidden_states import fingerprint
 from ..layout import (
     JOURNAL_DIR,
     MANIFEST,
@@ -95,6 +96,9 @@ class DatasetStatus:
     # The last generate job's counters of the servers' edges (:data:`NOTE_KEYS`), once it
     # wrote its stats; None before.
     generation_notes: dict[str, int] | None = None
+    # What captured the validated shards (the manifest's capture fingerprint, in words);
+    # None before validation.
+    capture: str | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,7 @@ def dataset_snapshot(
         agreement=_agreement(results, dataset),
         token_ids=_token_ids(results, dataset),
         generation_notes=_generation_notes(results, dataset),
+        capture=_capture(results, dataset),
     )
     return DatasetSnapshot(status, progress)
 
@@ -267,6 +272,21 @@ def _agreement(results: Results, dataset: str) -> dict[str, Any] | None:
     if check is None:
         return {"enabled": False}
     return {k: v for k, v in check.items() if k not in ("shards", "settings")}
+
+
+def _capture(results: Results, dataset: str) -> str | None:
+    """The validated shards' capture fingerprint in words; None before validation."""
+    manifest = results.path(MANIFEST, dataset=dataset)
+    if not manifest.is_file():
+        return None
+    attrs = json.loads(manifest.read_text()).get("attrs") or {}
+    return fingerprint.describe(fingerprint.fingerprint_of(attrs))
+
+
+def capture_lines(rows: Sequence[DatasetStatus]) -> list[str]:
+    """What captured each validated dataset's shards, one line each; none before."""
+    lines = [f"  {r.dataset}: {r.capture}" for r in rows if r.capture is not None]
+    return ["Captured with (validated shards):", *lines] if lines else []
 
 
 def agreement_cell(check: Mapping[str, Any] | None) -> str:

@@ -28,6 +28,7 @@ from .preview import model_bytes_per_token
 from .report import BudgetBar, BudgetUse, JournalSeries, journal_note, plot_live
 from .snapshot import (
     DatasetSnapshot,
+    capture_lines,
     dataset_snapshot,
     format_table,
     notes_lines,
@@ -153,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(projection_lines(changed, rows)))
         if notes := notes_lines(rows):
             print("\n".join(["", *notes]))
+        if captured := capture_lines(rows):
+            print("\n".join(["", *captured]))
     if args.plot is not None:
         for path in plot(shots, args.plot):
             print(f"wrote {path}", file=sys.stderr)

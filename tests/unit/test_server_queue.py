@@ -26,11 +26,17 @@ vllm:num_requests_running{engine="1",model_name="tiny"} 4.0
 vllm:num_requests_waiting{engine="0",model_name="tiny"} 5.0
 vllm:num_requests_waiting{engine="1",model_name="tiny"} 0.0
 vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 5.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="tiny"} 2.0
+vllm:num_preemptions_total{engine="1",model_name="tiny"} 1.0
 """
 
 
 def test_vllm_gauges_are_summed_over_engines() -> None:
-    assert VLLMMetrics().parse(VLLM_METRICS) == ServerQueue(running=7, waiting=5)
+    assert VLLMMetrics().parse(VLLM_METRICS) == ServerQueue(
+        running=7, waiting=5, queues_waiting=1, preemptions=3
+    )
     # A server without the gauges (another version) reports nothing.
     assert VLLMMetrics().parse("# nothing\nvllm:other 1\n") is None
 
@@ -42,7 +48,9 @@ def test_sglang_loads_are_summed_over_ranks() -> None:
             {"dp_rank": 1, "num_running_reqs": 3, "num_waiting_reqs": 1},
         ]
     }
-    assert SGLangLoads().parse(json.dumps(body)) == ServerQueue(running=5, waiting=10)
+    assert SGLangLoads().parse(json.dumps(body)) == ServerQueue(
+        running=5, waiting=10, queues_waiting=2
+    )
     assert SGLangLoads().parse('{"detail": "Not Found"}') is None
     assert SGLangLoads().parse("not json") is None
 
@@ -62,9 +70,33 @@ def test_the_newest_requests_on_a_server_are_the_ones_waiting() -> None:
         SentRequest(pos=4, endpoint="b", sent_at=2.5),
         SentRequest(pos=5, endpoint=None, sent_at=None),  # not sent: waits on our side
     ]
-    queues = {"a": ServerQueue(running=8, waiting=2), "b": ServerQueue(running=8, waiting=0)}
+    queues = {"a": ServerQueue(running=1, waiting=2), "b": ServerQueue(running=2, waiting=0)}
     assert queued_positions(sent, queues) == {1, 2, 5}
-    # More waiting than ours (other clients'): all of ours on that server wait.
-    assert queued_positions(sent, {"a": ServerQueue(1, 50)}) == {0, 1, 2, 5}
     # A server that reported nothing: its requests count as started.
     assert queued_positions(sent, {}) == {5}
+
+
+SENT = [SentRequest(pos=p, endpoint="a", sent_at=float(p)) for p in range(4)]
+
+
+def test_a_queue_with_another_clients_requests_is_not_read_as_ours() -> None:
+    """Our 4 requests and another client's 6 on one server (the other datasets' jobs, a
+    capture job, someone else): which 3 wait cannot be told, so none of ours is read as
+    waiting (a decoding one would be cancelled as costing nothing)."""
+    assert queued_positions(SENT, {"a": ServerQueue(running=4, waiting=0)}) == set()
+    assert queued_positions(SENT, {"a": ServerQueue(running=2, waiting=2)}) == {2, 3}
+    assert queued_positions(SENT, {"a": ServerQueue(running=7, waiting=3)}) == set()
+    assert queued_positions(SENT, {"a": ServerQueue(running=1, waiting=50)}) == set()
+
+
+def test_several_data_parallel_queues_are_not_read_as_one() -> None:
+    """Two ranks, one request waiting on each: the newest two of ours need not be those."""
+    queue = ServerQueue(running=2, waiting=2, queues_waiting=2)
+    assert queued_positions(SENT, {"a": queue}) == set()
+
+
+def test_a_queue_vllm_has_preempted_into_is_not_read_as_free() -> None:
+    """vLLM puts preempted requests back among the waiting, with what they decoded."""
+    queue = ServerQueue(running=3, waiting=1, queues_waiting=1, preemptions=5)
+    assert queued_positions(SENT, {"a": queue}, {"a": 5}) == {3}
+    assert queued_positions(SENT, {"a": queue}, {"a": 4}) == set()

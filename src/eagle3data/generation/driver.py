@@ -70,7 +70,7 @@ from .engines import (
     TurnFailure,
 )
 from .engines.endpoint_slots import SLOT_POLL_S
-from .engines.server_queue import SentRequest, queued_positions
+from .engines.server_queue import SentRequest, ServerQueue, queued_positions
 from .journal import JournalWriter, read_journal
 from .records import (
     RECORD_STATUSES,
@@ -539,6 +539,10 @@ class _Run:
         self.clock = _TokenClock()
         self.engine_notes: dict[str, int] = {}  # the HTTP engine's counters (stats)
         self.served = _ServedLog()
+        # Each server's preemption counter at its gauge's first reading, and the servers
+        # whose gauge was once found to count others' requests (said once each).
+        self.preemptions_before: dict[str, int | None] = {}
+        self.gauges_not_ours: set[str] = set()
 
     def expected_tokens(self, capacity: int) -> float:
         """Running mean completion length; before anything is known, a prior that
@@ -846,8 +850,11 @@ async def _follow_queues(
     end of the budget, conversations still waiting in a queue that the plan would no
     longer send are cancelled, which costs nothing, and come back undecided."""
     queues = await engine.server_queues()
+    for endpoint, queue in queues.items():  # counted from the first reading on
+        run.preemptions_before.setdefault(endpoint, queue.preemptions)
     requests = [SentRequest(f.pos, f.trace.endpoint, f.trace.sent_at) for f in in_flight.values()]
-    queued = queued_positions(requests, queues)
+    queued = queued_positions(requests, queues, run.preemptions_before)
+    _say_unattributable(run, requests, queues)
     for flight in in_flight.values():
         if flight.pos in queued:
             if not flight.conversation.turns:  # a later turn's clock holds the earlier ones
@@ -864,6 +871,32 @@ async def _follow_queues(
         for task in unneeded:
             del in_flight[task]
         await _cancel(run, unneeded, queued=True)
+
+
+def _say_unattributable(
+    run: _Run, requests: Sequence[SentRequest], queues: Mapping[str, ServerQueue]
+) -> None:
+    """Once per server: its gauge counts more than this job's requests, so its waiting
+    ones are not read as ours (server_queue.ServerQueue.attributable)."""
+    ours: dict[str, int] = {}
+    for request in requests:
+        if request.endpoint is not None and request.sent_at is not None:
+            ours[request.endpoint] = ours.get(request.endpoint, 0) + 1
+    for endpoint, queue in queues.items():
+        before = run.preemptions_before.get(endpoint)
+        if endpoint in run.gauges_not_ours or queue.attributable(ours.get(endpoint, 0), before):
+            continue
+        run.gauges_not_ours.add(endpoint)
+        log.info(
+            "%s: %s's queue holds requests that are not this job's (%d running, %d waiting "
+            "for our %d; another client, several data-parallel queues or preemptions): its "
+            "waiting requests are not taken for ours, nothing decoding is cancelled as free",
+            run.job.dataset,
+            endpoint,
+            queue.running,
+            queue.waiting,
+            ours.get(endpoint, 0),
+        )
 
 
 async def _cancel_hopeless(
@@ -927,7 +960,10 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
         take_slots = engine.take_slots if getattr(engine, "shares_slots", False) else None
         last_poll = -math.inf
         while not run.sel.complete and not stop.is_set():
-            if follow_queues and in_flight and time.monotonic() - last_poll >= QUEUE_POLL_S:
+            # Near the end only: further away nothing is cancelled, and the polls cost the
+            # server (vLLM's /metrics on its API process) throughput.
+            polling = follow_queues and bool(in_flight) and run.near_end(len(in_flight))
+            if polling and time.monotonic() - last_poll >= QUEUE_POLL_S:
                 last_poll = time.monotonic()
                 await _follow_queues(run, engine, in_flight)
                 if run.sel.complete:  # an answer kept while cancelling decided the prefix
@@ -953,7 +989,7 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
             run.progress.in_flight = len(in_flight)
             if not in_flight and not waiting_for_slots:
                 raise AssertionError("nothing in flight for an undecided prefix")  # unreachable
-            timeout = QUEUE_POLL_S if follow_queues else None
+            timeout = QUEUE_POLL_S if polling else None
             if waiting_for_slots:  # slots the other jobs free are seen only by looking
                 timeout = SLOT_POLL_S
             done, _ = await asyncio.wait(

@@ -7,6 +7,15 @@ wait (cancelling them costs nothing): :func:`queued_positions`. Both servers sch
 first come, first served by default (SGLang ``--schedule-policy fcfs``, vLLM's FCFS), so of
 one client's requests on one server the newest ``waiting`` ones are those still queued.
 
+That reading holds only where the gauge counts this client's requests alone, in one queue,
+none of them sent back to it after decoding. It does not (:meth:`ServerQueue.attributable`)
+when the server holds more requests than this client has there (another client: the other
+datasets' jobs, a capture job on the same server, someone else), when several data-parallel
+ranks keep a queue each (requests are spread over them, so the newest overall are not the
+ones waiting), or when vLLM has preempted requests since the gauge was first read (it puts
+them back among the waiting, with what they decoded). The gauge is then not used that time:
+nothing of ours is read as waiting, so nothing decoding is cancelled as "free".
+
 Where the gauges are:
 
 * SGLang 0.5.23: ``GET /v1/loads?include=core``, per data-parallel rank ``num_running_reqs``
@@ -29,7 +38,18 @@ from typing import Any, Protocol
 @dataclass(frozen=True)
 class ServerQueue:
     running: int  # requests decoding now (all clients')
-    waiting: int  # requests in the server's queue, not started
+    waiting: int  # requests in the server's queue, not started (or sent back: preempted)
+    queues_waiting: int = 0  # data-parallel ranks (engines) with requests waiting
+    preemptions: int | None = None  # vLLM's preemptions so far (a counter); None: unsaid
+
+    def attributable(self, ours: int, preemptions_before: int | None) -> bool:
+        """Whether its waiting requests are the newest of this client's ``ours`` requests
+        there (module docstring); ``preemptions_before``: the counter when first read."""
+        if self.waiting <= 0:
+            return True  # nothing waits: none of ours either
+        if self.queues_waiting > 1 or self.running + self.waiting > ours:
+            return False
+        return self.preemptions is None or self.preemptions == preemptions_before
 
 
 class QueueGauge(Protocol):
@@ -47,10 +67,10 @@ class SGLangLoads:
         try:
             loads = json.loads(text)["loads"]
             running = sum(int(load["num_running_reqs"]) for load in loads)
-            waiting = sum(int(load["num_waiting_reqs"]) for load in loads)
+            waits = [int(load["num_waiting_reqs"]) for load in loads]
         except (ValueError, KeyError, TypeError):
             return None
-        return ServerQueue(running, waiting)
+        return ServerQueue(running, sum(waits), sum(1 for w in waits if w > 0))
 
 
 # One sample line of the Prometheus text format: name, optional {labels}, value. Two gauges
@@ -60,26 +80,39 @@ _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(?P<v
 
 
 class VLLMMetrics:
-    """vLLM's Prometheus ``/metrics``, summed over engines."""
+    """vLLM's Prometheus ``/metrics``, summed over engines, and its preemption counter."""
 
     route = "/metrics"
+    _GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    _PREEMPTIONS = "vllm:num_preemptions_total"
 
     def parse(self, text: str) -> ServerQueue | None:
-        totals = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+        totals = dict.fromkeys(self._GAUGES, 0.0)
         seen = set()
+        engines_waiting = 0
+        preemptions: float | None = None
         for line in text.splitlines():
             match = _SAMPLE.match(line)
-            if match is None or match["name"] not in totals:
+            if match is None or match["name"] not in (*self._GAUGES, self._PREEMPTIONS):
                 continue
             try:
-                totals[match["name"]] += float(match["value"])
+                value = float(match["value"])
             except ValueError:
                 return None
+            if match["name"] == self._PREEMPTIONS:
+                preemptions = (preemptions or 0.0) + value
+                continue
+            totals[match["name"]] += value
             seen.add(match["name"])
+            if match["name"] == "vllm:num_requests_waiting" and value > 0:
+                engines_waiting += 1
         if len(seen) < len(totals):
             return None
         return ServerQueue(
-            round(totals["vllm:num_requests_running"]), round(totals["vllm:num_requests_waiting"])
+            round(totals["vllm:num_requests_running"]),
+            round(totals["vllm:num_requests_waiting"]),
+            engines_waiting,
+            None if preemptions is None else round(preemptions),
         )
 
 
@@ -103,11 +136,15 @@ class SentRequest:
 
 
 def queued_positions(
-    requests: Iterable[SentRequest], queues: Mapping[str, ServerQueue]
+    requests: Iterable[SentRequest],
+    queues: Mapping[str, ServerQueue],
+    preemptions_before: Mapping[str, int | None] | None = None,
 ) -> set[int]:
     """Positions whose request has not started decoding: not sent yet, or among the newest
-    ``waiting`` of this client's requests on a server that reported its queue (first come,
-    first served). Requests to a server that reported nothing count as started."""
+    ``waiting`` of this client's requests on a server whose gauge can be read so
+    (:meth:`ServerQueue.attributable`; ``preemptions_before``: each server's preemption
+    counter when first read). Requests to a server that reported nothing, or whose gauge
+    cannot be attributed, count as started."""
     queued = set()
     by_endpoint: dict[str, list[SentRequest]] = {}
     for request in requests:
@@ -118,6 +155,9 @@ def queued_positions(
     for endpoint, sent in by_endpoint.items():
         queue = queues.get(endpoint)
         if queue is None or queue.waiting <= 0:
+            continue
+        before = (preemptions_before or {}).get(endpoint, queue.preemptions)
+        if not queue.attributable(len(sent), before):
             continue
         sent.sort(key=lambda r: r.sent_at or 0.0)
         queued.update(r.pos for r in sent[-queue.waiting :])

@@ -108,7 +108,7 @@ def _fit(lengths: list[int], running: tuple[float, ...] = (), max_tokens: int = 
     return fit
 
 
-def _plan(n, outcomes, fit, in_flight, *, budget, limit=8, max_samples=None):
+def _plan(n, outcomes, fit, in_flight, *, budget, limit=8, max_samples=None, p_fail=0.0):
     order = [f"p{i}" for i in range(n)]
     sel = select_prefix(order, outcomes, token_budget=budget, max_samples=max_samples)
     return plan_dispatch_tail(
@@ -120,6 +120,7 @@ def _plan(n, outcomes, fit, in_flight, *, budget, limit=8, max_samples=None):
         fit=fit,
         in_flight=in_flight,
         limit=limit,
+        p_fail=p_fail,
     )
 
 
@@ -205,12 +206,43 @@ def test_tail_plan_returns_nothing_when_complete():
     )
 
 
-def _hopeless(n, outcomes, fit, in_flight, *, budget):
+def _hopeless(n, outcomes, fit, in_flight, *, budget, p_fail=0.0):
     order = [f"p{i}" for i in range(n)]
     sel = select_prefix(order, outcomes, token_budget=budget, max_samples=None)
     return hopeless_in_flight(
-        order, outcomes, sel, token_budget=budget, fit=fit, in_flight=in_flight
+        order, outcomes, sel, token_budget=budget, fit=fit, in_flight=in_flight, p_fail=p_fail
     )
+
+
+def test_the_plan_never_admits_what_the_cancel_rule_would_cancel_on_the_same_state():
+    """Exponential lengths, budget 800, position 0 in flight with 820 decoded: whatever
+    its length, the prefix ends at it. The two rules once walked the tail apart: the plan
+    admitted 1-3 (their doubt large enough) and the cancel rule then cancelled exactly
+    those, a prefill and an abort each per cycle."""
+    rng = np.random.default_rng(0)
+    fit = _fit([max(1, int(x)) for x in rng.exponential(150, 400)], max_tokens=4000)
+    assert _plan(40, {}, fit, {0: 820.0}, budget=800, limit=3) == []
+    assert _hopeless(40, {}, fit, {0: 820.0, 1: 0.0, 2: 0.0, 3: 0.0}, budget=800) == {1, 2, 3}
+    # Wherever the plan stops, what it admits the cancel rule keeps, at every progress.
+    for progress in [0.0, 100.0, 300.0, 500.0, 700.0, 790.0]:
+        admitted = _plan(40, {}, fit, {0: progress}, budget=800, limit=8)
+        in_flight = {0: progress, **{pos: 0.0 for pos in admitted}}
+        assert not set(admitted) & _hopeless(40, {}, fit, in_flight, budget=800), progress
+
+
+def test_a_conversation_that_may_still_fail_keeps_the_ones_behind_it():
+    """A conversation in flight past the budget decides the prefix only if it succeeds:
+    where conversations of this dataset have failed (a later turn over the context), the
+    ones behind it are still needed with that chance, so they are neither cancelled nor
+    (below the plan's likelihood) given up: the plan keeps admitting them while the one
+    in flight may fail often enough."""
+    fit = _fit(list(range(100, 301, 2)))
+    outcomes = {"p0": Outcome(150)}
+    in_flight = {1: 260.0, 2: 10.0, 3: 0.0}
+    assert _hopeless(10, outcomes, fit, in_flight, budget=400) == {2, 3}
+    assert _hopeless(10, outcomes, fit, in_flight, budget=400, p_fail=0.01) == set()
+    assert _plan(10, outcomes, fit, {1: 260.0}, budget=400) == []
+    assert _plan(10, outcomes, fit, {1: 260.0}, budget=400, p_fail=0.3)[:1] == [2]
 
 
 def test_requests_in_flight_past_what_surely_reaches_the_budget_are_hopeless():
@@ -351,6 +383,10 @@ class SimResult:
     finished: int  # requests finished (the minimal client sends as many)
     cancelled_decode: float = 0.0  # what the requests cancelled while decoding had decoded
     cancelled_waiting: int = 0  # requests cancelled in the server's queue (nothing decoded)
+    # Requests the plan admitted on a state on which the cancel rule cancels them (a
+    # prefill and an abort each, for nothing), and all it cancelled in flight.
+    churned: int = 0
+    tail_cancelled: int = 0
 
     @property
     def waste_share(self) -> float:
@@ -400,7 +436,7 @@ def simulate(
     events: list[tuple[float, int]] = []
     in_flight: set[int] = set()
     started: dict[int, float] = {}  # decoding since (a cancelled request's event is stale)
-    generated = finished = cancelled_waiting = 0
+    generated = finished = cancelled_waiting = churned = tail_cancelled = 0
     cancelled_decode = 0.0
 
     def start(pos: int) -> None:
@@ -432,7 +468,14 @@ def simulate(
                 cancelled_waiting += 1
         free = concurrency - len(in_flight)
         if free > 0:
-            for pos in run.plan(free, set(in_flight)):
+            admitted = run.plan(free, set(in_flight))
+            if follow_queue and cancel_hopeless and admitted:
+                for pos in admitted:
+                    run.clock.dispatched(pos)
+                churned += len(set(admitted) & run.hopeless(in_flight | set(admitted)))
+                for pos in admitted:
+                    run.clock.dropped(pos)
+            for pos in admitted:
                 in_flight.add(pos)
                 run.clock.dispatched(pos)  # with follow_queue again when it leaves the queue
                 if busy < SLOTS:
@@ -464,6 +507,7 @@ def simulate(
         # What the driver cancels in flight near the end when it follows the queue: the
         # requests it will almost surely not need.
         for pos in sorted(run.hopeless(in_flight) if follow_queue and cancel_hopeless else ()):
+            tail_cancelled += 1
             in_flight.discard(pos)
             run.clock.dropped(pos)
             if pos in queue:
@@ -484,6 +528,8 @@ def simulate(
         finished,
         decoded,
         cancelled_waiting,
+        churned,
+        tail_cancelled,
     )
 
 
@@ -594,6 +640,16 @@ def test_following_the_servers_queue_wastes_what_a_full_engine_without_one_does(
         assert mean["blind"] > 0.015, mean
         assert mean["following"] <= 1.1 * mean["slots"], mean
         assert mean["following"] <= 0.006, mean
+
+
+@pytest.mark.parametrize("kind", ["normal", "lognormal", "maxshare", "short"])
+def test_no_request_is_admitted_that_the_cancel_rule_would_cancel(kind):
+    """One walk of the tail for both rules: over seeds, at 64 and 512 in flight, the plan
+    never sends a request the cancel rule, on the same state, cancels (counted)."""
+    for seed in SEEDS:
+        for concurrency in (SLOTS, 512):
+            r = sim(kind, seed, tail=True, concurrency=concurrency, follow_queue=True)
+            assert r.churned == 0, (seed, concurrency, r.tail_cancelled)
 
 
 def test_a_waiting_request_the_budget_no_longer_needs_is_cancelled():

@@ -148,6 +148,11 @@ def plan_dispatch(
 
 Z_LIKELY = 0.84  # admit when P(needed) >= 80%
 Z_HOPELESS = -2.5  # never admit when P(needed) < 0.6%
+Z_ABANDON = -5.0  # cancel a request in flight when P(needed) < 3e-7
+
+
+def _normal_cdf(z: float) -> float:
+    return 0.5 * math.erfc(-z / math.sqrt(2.0))
 
 
 @dataclass(frozen=True)
@@ -275,6 +280,54 @@ def _expected_lengths(
     return dict(zip(positions, zip(mean.tolist(), var.tolist(), strict=True), strict=True))
 
 
+@dataclass
+class _TailWalk:
+    """What the positions walked so far (from the frontier) will spend, the one model of
+    the tail that admission (:func:`plan_dispatch_tail`) and cancelling
+    (:func:`hopeless_in_flight`) both read, so that the plan never admits what the cancel
+    rule, on the same state, would cancel.
+
+    Known outcomes count exactly; a conversation in flight at its conditional length given
+    its progress, and one not sent yet at the distribution's, each only if it succeeds
+    (``p_fail``, the run's observed share of failed conversations: a failed one is skipped
+    and spends nothing of the budget). ``floor`` is what they have surely decoded already;
+    past the budget it decides, unless one of the conversations in it fails."""
+
+    token_budget: int
+    p_fail: float
+    mean: float = 0.0
+    var: float = 0.0
+    floor: float = 0.0
+    fallible: int = 0  # conversations in flight whose progress is in the floor
+
+    def known(self, tokens: int) -> None:
+        self.mean += tokens
+        self.floor += tokens
+
+    def in_flight(self, mean: float, var: float, progress: float) -> None:
+        self._uncertain(mean, var)
+        self.floor += progress
+        self.fallible += 1
+
+    def unsent(self, mean: float, var: float) -> None:
+        self._uncertain(mean, var)
+
+    def _uncertain(self, mean: float, var: float) -> None:
+        ok = 1.0 - self.p_fail
+        self.mean += ok * mean
+        self.var += ok * var + self.p_fail * ok * mean * mean
+
+    def p_needed(self) -> float:
+        """P(the next position's outcome is needed): the positions before it stay under
+        the budget (or one surely over it fails)."""
+        if self.floor >= self.token_budget:
+            return 1.0 - (1.0 - self.p_fail) ** self.fallible
+        room = self.token_budget - self.mean
+        if self.var <= 0:
+            return 1.0 if room > 0 else 0.0
+        return _normal_cdf(room / math.sqrt(self.var))
+
+
 def plan_dispatch_tail(
     order: Sequence[str],
     outcomes: Mapping[str, Outcome],
@@ -285,18 +338,18 @@ def plan_dispatch_tail(
     fit: LengthFit,
     in_flight: Mapping[int, float],
     limit: int,
+    p_fail: float = 0.0,
 ) -> list[int]:
     """:func:`plan_dispatch` for a streaming engine, aware of the length distribution.
 
     ``in_flight`` maps each position in flight to the tokens it has generated so far (an
-    estimate). Walking on from the frontier, known outcomes count exactly, requests in
-    flight at their conditional mean and variance given that progress, new ones at the
-    distribution's. A new position is admitted when the prefix likely needs its outcome;
-    never when that is hopeless; in between (doubtful) unless the requests before it are
-    expected to run clearly longer than it would (its mean plus a standard deviation):
-    while they do, deferring costs nothing (the run cannot end before they do) and their
-    lengths settle the doubt; otherwise deferring would make it the last to finish.
-    With nothing in flight the first unknown position is always admitted (progress).
+    estimate). Walking on from the frontier (:class:`_TailWalk`), a new position is
+    admitted when the prefix likely needs its outcome; never when that is hopeless; in
+    between (doubtful) unless the requests before it are expected to run clearly longer
+    than it would (its mean plus a standard deviation): while they do, deferring costs
+    nothing (the run cannot end before they do) and their lengths settle the doubt;
+    otherwise deferring would make it the last to finish. With nothing in flight the
+    first unknown position is always admitted (progress).
     """
     if selection.complete or limit < 1:
         return []
@@ -305,7 +358,8 @@ def plan_dispatch_tail(
     batch: list[int] = []
     pending = False
     n_selected = len(selection.selected)
-    tokens, tokens_var = float(selection.tokens), 0.0
+    walk = _TailWalk(token_budget or 0, p_fail)
+    walk.known(selection.tokens)
     running: list[float] = []  # progress of the requests before this one (0: dispatched now)
     for pos in range(selection.frontier, len(order)):
         if pending and _limit_reached(n_selected, 0, None, max_samples):
@@ -313,33 +367,30 @@ def plan_dispatch_tail(
         outcome = outcomes.get(order[pos])
         if outcome is not None:
             if not outcome.failed:
-                tokens += outcome.completion_tokens
+                walk.known(outcome.completion_tokens)
                 n_selected += 1
             continue
         n_selected += 1
         if pos in expected:
-            m, v = expected[pos]
-            tokens, tokens_var = tokens + m, tokens_var + v
+            walk.in_flight(*expected[pos], in_flight[pos])
             running.append(in_flight[pos])
             pending = True
             continue
         if pending and token_budget is not None:
-            room, spread = token_budget - tokens, math.sqrt(tokens_var)
-            z = room / spread if spread > 0 else (math.inf if room > 0 else -math.inf)
-            if z < Z_HOPELESS:
+            needed = walk.p_needed()
+            if needed < _normal_cdf(Z_HOPELESS):
                 break
-            if z < Z_LIKELY and fit.expected_max_residual(running) > mean + math.sqrt(var):
+            if needed < _normal_cdf(Z_LIKELY) and fit.expected_max_residual(running) > (
+                mean + math.sqrt(var)
+            ):
                 break
         batch.append(pos)
-        tokens, tokens_var = tokens + mean, tokens_var + var
+        walk.unsent(mean, var)
         running.append(0.0)
         pending = True
         if len(batch) >= limit:
             break
     return batch
-
-
-Z_ABANDON = -5.0  # cancel a request in flight when P(needed) < 3e-7
 
 
 def hopeless_in_flight(
@@ -350,39 +401,32 @@ def hopeless_in_flight(
     token_budget: int | None,
     fit: LengthFit,
     in_flight: Mapping[int, float],
+    p_fail: float = 0.0,
 ) -> set[int]:
-    """The requests in flight whose outcome the prefix will almost surely not need: the
-    positions before each surely reach the budget (what they have generated already
-    does), or do with P(needed) below ``Z_ABANDON``'s. Cancelling them saves what they
-    would still decode; the rare one needed after all is dispatched again.
-
-    Walked like :func:`plan_dispatch_tail`: known outcomes exactly, requests in flight at
-    their conditional length given ``in_flight`` progress (at least that progress), the
-    positions not sent yet at the distribution's mean and variance.
-    """
+    """The requests in flight whose outcome the prefix will almost surely not need
+    (P(needed) below ``Z_ABANDON``'s, by the walk :func:`plan_dispatch_tail` admits with:
+    :class:`_TailWalk`): cancelling them saves what they would still decode; the rare one
+    needed after all is dispatched again. Never one the plan would admit on this state:
+    admission stops at a higher P(needed)."""
     if selection.complete or token_budget is None or not in_flight:
         return set()
     last = max(in_flight)
     expected = _expected_lengths(fit, in_flight)
     hopeless: set[int] = set()
-    tokens, tokens_var = float(selection.tokens), 0.0
-    floor = float(selection.tokens)  # what the positions before have surely spent
+    walk = _TailWalk(token_budget, p_fail)
+    walk.known(selection.tokens)
     for pos in range(selection.frontier, last + 1):
         outcome = outcomes.get(order[pos])
         if outcome is not None:
             if not outcome.failed:
-                tokens += outcome.completion_tokens
-                floor += outcome.completion_tokens
+                walk.known(outcome.completion_tokens)
             continue
         if pos in expected:
-            room, spread = token_budget - tokens, math.sqrt(tokens_var)
-            if floor >= token_budget or (spread > 0 and room / spread < Z_ABANDON):
+            if walk.p_needed() < _normal_cdf(Z_ABANDON):
                 hopeless.add(pos)
-            m, v = expected[pos]
-            tokens, tokens_var = tokens + m, tokens_var + v
-            floor += in_flight[pos]
+            walk.in_flight(*expected[pos], in_flight[pos])
         else:
-            tokens, tokens_var = tokens + fit.mean, tokens_var + fit.var
+            walk.unsent(fit.mean, fit.var)
     return hopeless
 
 

@@ -572,6 +572,7 @@ class _Run:
                     fit=fit,
                     in_flight=progress,
                     limit=limit,
+                    p_fail=self.p_fail(),
                     **self.limits,
                 )
         return plan_dispatch(
@@ -583,6 +584,12 @@ class _Run:
             in_flight=in_flight,
             **self.limits,
         )
+
+    def p_fail(self) -> float:
+        """The share of this dataset's conversations that failed (a later turn over the
+        context, a 4xx): the chance one in flight does, and spends nothing of the budget."""
+        decided = len(self.outcomes)
+        return (decided - self.ok_count) / decided if decided else 0.0
 
     def progress_in_flight(self) -> dict[int, float]:
         """The token clock's tokens so far of each request in flight."""
@@ -609,6 +616,7 @@ class _Run:
             token_budget=self.job.token_budget,
             fit=fit,
             in_flight=progress,
+            p_fail=self.p_fail(),
         )
 
     def near_end(self, requests: int) -> bool:

@@ -26,7 +26,12 @@ Policies (``--policy``), all in the same run for a before/after comparison:
   the prefix is decided (``queue``: those it will almost surely not need);
 - ``tail``: the tail plan blind to the server's queue, cancelling by closing connections
   (the dispatch before the server's queue was followed);
-- ``mean``: the dispatch before tail-aware planning (running mean throughout).
+- ``mean``: the dispatch before tail-aware planning (running mean throughout);
+- the ablation of ``queue``, one change each: ``no-cancel`` (running requests are never
+  cancelled before the prefix is decided: ``hopeless_in_flight`` off), ``no-queue`` (the
+  server's queue gauge not read: nothing given back from its queue, token clocks from the
+  send) and ``no-abort`` (cancelled requests are dropped by closing the connection, which
+  SGLang notices at its next check, instead of an abort by rid).
 
 Reported per length distribution, client concurrency and policy, all in the same run:
 - capacity ratio: completion tokens the server delivered per second of the run,
@@ -207,8 +212,13 @@ def run_once(url: str, concurrency: int, lengths: str, policy: str, seed: int, a
         stopped_at: list[float] = []
 
         def factory() -> OpenAIEngine:
+            blind = policy in ("tail", "mean")
             return _DispatchClock(
-                settings, job.sampling, stopped_at, blind=policy in ("tail", "mean")
+                settings,
+                job.sampling,
+                stopped_at,
+                follow_queue=not blind and policy != "no-queue",
+                abort=not blind and policy != "no-abort",
             )
 
         saved = driver._MIN_FIT, budget_rules.Z_LIKELY, budget_rules.Z_ABANDON
@@ -216,6 +226,8 @@ def run_once(url: str, concurrency: int, lengths: str, policy: str, seed: int, a
             driver._MIN_FIT = 10**9
         if policy in ("admit60", "tail"):
             budget_rules.Z_LIKELY, budget_rules.Z_ABANDON = 0.25, -math.inf
+        if policy == "no-cancel":
+            budget_rules.Z_ABANDON = -math.inf
         try:
             cpu0, t0 = time.process_time(), time.perf_counter()
             result = run_generation(job, factory, streaming=True)
@@ -262,20 +274,28 @@ def _settled_stats(url: str, limit_s: float) -> dict:
 
 class _DispatchClock(OpenAIEngine):
     """Notes the last time the driver sent a new conversation (start of the drain);
-    ``blind``: neither follows the server's queue nor aborts by rid (the engine before)."""
+    without ``follow_queue`` it reads no queue gauge, without ``abort`` it aborts nothing
+    by rid (both off: the engine before either)."""
 
     def __init__(
-        self, settings: HttpSettings, sampling: dict, stopped_at: list[float], *, blind: bool
+        self,
+        settings: HttpSettings,
+        sampling: dict,
+        stopped_at: list[float],
+        *,
+        follow_queue: bool,
+        abort: bool,
     ) -> None:
         super().__init__(settings, sampling=sampling, seed=0)
         self._stopped_at = stopped_at
-        self._blind = blind
+        self._follow_queue, self._abort = follow_queue, abort
 
     async def start(self) -> None:
         await super().start()
-        if self._blind:
-            for endpoint in self.pool.endpoints:
-                endpoint.abortable, endpoint.queue_gauge = False, None
+        for endpoint in self.pool.endpoints:
+            endpoint.abortable = endpoint.abortable and self._abort
+            if not self._follow_queue:
+                endpoint.queue_gauge = None
 
     async def complete(self, messages):  # type: ignore[no-untyped-def]
         self._stopped_at[:] = [time.perf_counter()]
@@ -324,7 +344,7 @@ def main() -> None:
     parser.add_argument(
         "--policy",
         nargs="+",
-        choices=["queue", "admit60", "tail", "mean"],
+        choices=["queue", "admit60", "tail", "mean", "no-cancel", "no-queue", "no-abort"],
         default=["queue", "admit60", "tail"],
     )
     parser.add_argument("--slots", type=int, default=64)

@@ -10,7 +10,10 @@ A tiny random Qwen3 (the suite's) served on CPU with 4 decode slots
 ``OpenAIEngine`` run a budgeted dataset against it at concurrency 4 (= the slots) and 16 (a
 server-side queue), following the server's queue (``queue``: today's engine) or blind to it
 and cancelling by closing connections (``blind``: the engine before the server's queue was
-followed). SGLang keeps its default 4 s check for closed connections.
+followed); and the ablation of ``queue``, one change each: ``no-queue`` (its queue gauge not
+read), ``no-abort`` (no abort by rid: SGLang's closed-connection check instead),
+``no-cancel`` (running requests not cancelled before the prefix is decided). SGLang keeps its
+default 4 s check for closed connections.
 
 Waste "as the server spent it" is the growth of the server's own generated-token counter
 (``sglang:generation_tokens_total``, ``vllm:generation_tokens_total``) over the run, once
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import math
 import sys
 import tempfile
 import time
@@ -36,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests"))
 
+from eagle3data.generation import budget as budget_rules  # noqa: E402
 from eagle3data.generation.driver import GenerationJob, Prompt, run_generation  # noqa: E402
 from eagle3data.generation.engines.openai_engine import HttpSettings, OpenAIEngine  # noqa: E402
 from eagle3data.prompts.sources import prompt_hash  # noqa: E402
@@ -90,13 +95,40 @@ class _PerPromptSeed(OpenAIEngine):
         return await super().complete(messages, tools)
 
 
-class _Blind(_PerPromptSeed):
-    """The engine before the server's queue was followed: no gauge, no abort by rid."""
+class _Ablated(_PerPromptSeed):
+    """Without the queue gauge (``follow_queue``) or the abort by rid (``abort``)."""
+
+    follow_queue, abort = True, True
 
     async def start(self) -> None:
         await super().start()
         for endpoint in self.pool.endpoints:
-            endpoint.abortable, endpoint.queue_gauge = False, None
+            endpoint.abortable = endpoint.abortable and self.abort
+            if not self.follow_queue:
+                endpoint.queue_gauge = None
+
+
+class _Blind(_Ablated):
+    """The engine before the server's queue was followed: no gauge, no abort by rid."""
+
+    follow_queue, abort = False, False
+
+
+class _NoQueue(_Ablated):
+    follow_queue = False
+
+
+class _NoAbort(_Ablated):
+    abort = False
+
+
+ENGINES = {
+    "queue": _PerPromptSeed,
+    "blind": _Blind,
+    "no-queue": _NoQueue,
+    "no-abort": _NoAbort,
+    "no-cancel": _PerPromptSeed,
+}
 
 
 def run_once(server, engine: str, args, concurrency: int, policy: str, seed: int) -> dict:  # type: ignore[no-untyped-def]
@@ -119,14 +151,20 @@ def run_once(server, engine: str, args, concurrency: int, policy: str, seed: int
         settings = HttpSettings(
             endpoints=[server.url], model=server.model_name, concurrency=concurrency
         )
-        kind = _Blind if policy == "blind" else _PerPromptSeed
+        kind = ENGINES[policy]
 
         def factory() -> OpenAIEngine:
             return kind(settings, sampling=sampling, seed=0)
 
-        t0 = time.perf_counter()
-        result = run_generation(job, factory, streaming=True)
-        wall = time.perf_counter() - t0
+        saved = budget_rules.Z_ABANDON
+        if policy == "no-cancel":
+            budget_rules.Z_ABANDON = -math.inf
+        try:
+            t0 = time.perf_counter()
+            result = run_generation(job, factory, streaming=True)
+            wall = time.perf_counter() - t0
+        finally:
+            budget_rules.Z_ABANDON = saved
     decoded = settled(server, engine).get(COUNTER[engine], 0.0) - before
     kept = result.stats["completion_tokens"]
     lengths = [row["usage"]["completion_tokens"] for row in result.rows]
@@ -157,9 +195,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=10_000)
     parser.add_argument("--seeds", type=int, default=2, help="prompt sets per row")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[SLOTS, 4 * SLOTS])
-    parser.add_argument(
-        "--policy", nargs="+", choices=["queue", "blind"], default=["queue", "blind"]
-    )
+    parser.add_argument("--policy", nargs="+", choices=sorted(ENGINES), default=["queue", "blind"])
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     from support.target_models import make_qwen3_dir

@@ -10,8 +10,9 @@ queue beyond them, budget 1000 x the mean length), at 512 requests in flight (a 
 ``no-cancel`` (running requests never cancelled before the prefix is decided),
 ``no-queue`` (the server's queue not seen: nothing given back from it, token clocks from
 the send, and no running request cancelled: the driver cancels those only where it sees
-the queue, without which a waiting request's progress is unknown). Aborts by rid cannot be told apart here (the simulated engine frees a cancelled
-request at once either way): ``bench_http.py --policy no-abort`` measures them.
+the queue, without which a waiting request's progress is unknown). Aborts by rid cannot be
+told apart here (the simulated engine frees a cancelled request at once either way):
+``bench_http.py --policy no-abort`` measures them.
 
 Reported over seeds (each another sequence of lengths): engine waste (everything decoded
 that is not kept, cancelled work included) as a share of the budget, mean and worst;

@@ -456,6 +456,22 @@ def test_factory_builds_the_sglang_backend_with_the_configured_options(model_dir
     assert (engine.kwargs["tp_size"], engine.kwargs["ep_size"]) == (2, 2)
     assert engine.kwargs["mem_fraction_static"] == 0.7
     assert engine.kwargs["dtype"] == "float16"
+    # What the shards' capture fingerprint says of this engine: the layout it was given.
+    captured = extractor.capture_fingerprint()
+    assert captured["engine"].startswith("sglang ")
+    assert captured["layout"].startswith("tp 2, dp 1, ep 2")
+    assert "layers asked for" in captured["aux_layers_confirmed_by"]
+
+
+def test_the_transformers_backend_says_what_captured_the_states(tiny_model_dir):
+    import transformers
+
+    extractor = build_extractor(str(tiny_model_dir), hidden_cfg(dtype="float32"), "auto")
+    assert extractor.capture_fingerprint() == {
+        "engine": f"transformers {transformers.__version__}",
+        "layout": "cpu",
+        "aux_layers_confirmed_by": "forward hooks on those decoder layers",
+    }
 
 
 def test_factory_builds_the_transformers_backend(tiny_model_dir):

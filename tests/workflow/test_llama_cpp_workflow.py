@@ -46,4 +46,9 @@ def test_generate_tokenize_and_extract_against_llama_cpp(tmp_path: Path, smollm2
     manifest = json.loads(wf.path("results/hidden_states/A1/manifest.json").read_text())
     assert manifest["num_samples"] == len(rows)
     assert manifest["attrs"]["aux_layer_ids"] == [1, 14, 26]
+    # What captured them: the transformers backend on this CPU, the layers its hooks took.
+    captured = manifest["capture_fingerprint"]
+    assert captured["engine"].startswith("transformers ") and captured["layout"] == "cpu"
+    assert captured["aux_layer_ids"] == [1, 14, 26] and captured["final_state"] == "pre_norm"
+    assert captured["tokenizer_hash"] == manifest["attrs"]["tokenizer_hash"]
     assert wf.path("results/responses/A1.errors.jsonl").read_text() == ""

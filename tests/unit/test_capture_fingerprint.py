@@ -88,3 +88,27 @@ def test_a_shard_that_is_not_what_its_manifest_says_is_refused_when_read(tmp_pat
     assert data[0]["id"] == "s0"
     with pytest.raises(ShardFormatError, match=r"engine: 'vllm 0\.32\.0' vs 'transformers"):
         data[2]
+
+
+def test_the_status_prints_each_validated_datasets_capture(tmp_path: Path) -> None:
+    from dataclasses import fields
+
+    from eagle3data.layout import MANIFEST, Results
+    from eagle3data.monitor.snapshot import DatasetStatus, _capture, capture_lines
+
+    results = Results(tmp_path)
+    assert _capture(results, "A1") is None  # not validated yet
+    manifest = results.path(MANIFEST, dataset="A1")
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(
+        json.dumps({"attrs": {fingerprint.ATTR: fingerprint.fingerprint_attr(CAPTURE)}})
+    )
+    said = _capture(results, "A1")
+    assert said == fingerprint.describe(CAPTURE)
+    blank = {f.name: None for f in fields(DatasetStatus)}
+    rows = [
+        DatasetStatus(**{**blank, "dataset": "A1", "capture": said}),
+        DatasetStatus(**{**blank, "dataset": "B2"}),
+    ]
+    assert capture_lines(rows) == ["Captured with (validated shards):", f"  A1: {said}"]
+    assert capture_lines(rows[1:]) == []

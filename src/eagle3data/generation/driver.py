@@ -847,17 +847,24 @@ async def _cancel(
         raise broken[0]
 
 
-QUEUE_POLL_S = 0.1  # how often the servers' queue gauges are read
+QUEUE_POLL_S = 0.1  # how often the servers' queue gauges are read, at most
+# A reading costs the server about what it takes to answer (vLLM renders all its metrics
+# in its API process): the next waits at least this many times that, so the gauges take
+# under 1/GAUGE_COST_SHARE of the server's time (SGLang's /v1/loads: every 0.1 s).
+GAUGE_COST_SHARE = 50
 
 
 async def _follow_queues(
     run: _Run, engine: Any, in_flight: dict[asyncio.Task[JournalRecord], _InFlight]
-) -> None:
+) -> float:
     """Read the servers' queues: a conversation seen decoding for the first time starts
     its token clock now (not when it was sent: it waited in the queue meanwhile); near the
     end of the budget, conversations still waiting in a queue that the plan would no
-    longer send are cancelled, which costs nothing, and come back undecided."""
+    longer send are cancelled, which costs nothing, and come back undecided. Returns the
+    seconds the reading took."""
+    asked = time.monotonic()
     queues = await engine.server_queues()
+    took = time.monotonic() - asked
     for endpoint, queue in queues.items():  # counted from the first reading on
         run.preemptions_before.setdefault(endpoint, queue.preemptions)
     requests = [SentRequest(f.pos, f.trace.endpoint, f.trace.sent_at) for f in in_flight.values()]
@@ -879,6 +886,7 @@ async def _follow_queues(
         for task in unneeded:
             del in_flight[task]
         await _cancel(run, unneeded, queued=True)
+    return took
 
 
 def _say_unattributable(
@@ -966,14 +974,15 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
         # for it, so the in-flight set (and every plan made with it) holds only what the
         # servers have, never conversations waiting for another job's requests to end.
         take_slots = engine.take_slots if getattr(engine, "shares_slots", False) else None
-        last_poll = -math.inf
+        last_poll, poll_every = -math.inf, QUEUE_POLL_S
         while not run.sel.complete and not stop.is_set():
             # Near the end only: further away nothing is cancelled, and the polls cost the
             # server (vLLM's /metrics on its API process) throughput.
             polling = follow_queues and bool(in_flight) and run.near_end(len(in_flight))
-            if polling and time.monotonic() - last_poll >= QUEUE_POLL_S:
+            if polling and time.monotonic() - last_poll >= poll_every:
                 last_poll = time.monotonic()
-                await _follow_queues(run, engine, in_flight)
+                took = await _follow_queues(run, engine, in_flight)
+                poll_every = max(QUEUE_POLL_S, GAUGE_COST_SHARE * took)
                 if run.sel.complete:  # an answer kept while cancelling decided the prefix
                     break
             free = engine.capacity - len(in_flight)
@@ -997,7 +1006,7 @@ async def _stream(run: _Run, engine_factory: Any, limits: ErrorLimits) -> None:
             run.progress.in_flight = len(in_flight)
             if not in_flight and not waiting_for_slots:
                 raise AssertionError("nothing in flight for an undecided prefix")  # unreachable
-            timeout = QUEUE_POLL_S if polling else None
+            timeout = poll_every if polling else None
             if waiting_for_slots:  # slots the other jobs free are seen only by looking
                 timeout = SLOT_POLL_S
             done, _ = await asyncio.wait(

@@ -288,13 +288,13 @@ class _DispatchClock(OpenAIEngine):
     ) -> None:
         super().__init__(settings, sampling=sampling, seed=0)
         self._stopped_at = stopped_at
-        self._follow_queue, self._abort = follow_queue, abort
+        self._follows_queue, self._aborts = follow_queue, abort
 
     async def start(self) -> None:
         await super().start()
         for endpoint in self.pool.endpoints:
-            endpoint.abortable = endpoint.abortable and self._abort
-            if not self._follow_queue:
+            endpoint.abortable = endpoint.abortable and self._aborts
+            if not self._follows_queue:
                 endpoint.queue_gauge = None
 
     async def complete(self, messages):  # type: ignore[no-untyped-def]

@@ -153,8 +153,11 @@ def run_once(server, engine: str, args, concurrency: int, policy: str, seed: int
         )
         kind = ENGINES[policy]
 
+        engines: list[OpenAIEngine] = []
+
         def factory() -> OpenAIEngine:
-            return kind(settings, sampling=sampling, seed=0)
+            engines.append(kind(settings, sampling=sampling, seed=0))
+            return engines[-1]
 
         saved = budget_rules.Z_ABANDON
         if policy == "no-cancel":
@@ -182,6 +185,7 @@ def run_once(server, engine: str, args, concurrency: int, policy: str, seed: int
         "counted_waste_pct": 100 * result.stats["waste_tokens"] / args.budget,
         "estimated_pct": 100 * result.stats["abandoned_tokens_estimated"] / args.budget,
         "cancelled": result.stats["abandoned_requests"],
+        "gauge_readings": sum(e.gauge_readings for e in engines),
         "over_budget": kept > args.budget,
     }
 
@@ -221,9 +225,9 @@ def main() -> None:
     print(
         "| policy | concurrency | wall s | kept tokens/s | answer tokens, mean (% at max) | "
         "server decoded | server waste % of budget | counted waste % (estimated) | cancelled | "
-        "over budget |"
+        "gauge readings | over budget |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for concurrency in args.concurrency:
         for policy in args.policy:
             runs = [r for r in rows if (r["concurrency"], r["policy"]) == (concurrency, policy)]
@@ -238,6 +242,7 @@ def main() -> None:
                 f"{mean('server_decoded'):.0f} | {mean('server_waste_pct'):.2f} "
                 f"({min(waste):.2f}-{max(waste):.2f}) | {mean('counted_waste_pct'):.2f} "
                 f"({mean('estimated_pct'):.2f}) | {mean('cancelled'):.1f} | "
+                f"{mean('gauge_readings'):.0f} | "
                 f"{'YES' if any(r['over_budget'] for r in runs) else 'no'} |"
             )
 

@@ -495,6 +495,7 @@ class OpenAIEngine:
         # Hidden-state files a capture server wrote for our requests that we could not
         # delete (its storage not visible here, or not ours to delete): warned once each.
         self.capture_files_left = 0
+        self.gauge_readings = 0  # times the servers' queue gauges were read (benchmarks)
         self._left_warned: set[tuple[str, str]] = set()
 
     @property
@@ -534,6 +535,7 @@ class OpenAIEngine:
         """Each endpoint's queue as its own gauge says now (endpoints that report one and
         answered in time; :mod:`.server_queue`), by endpoint URL."""
         assert self._session is not None, "call start() first"
+        self.gauge_readings += 1
         asking = [e for e in self.pool.endpoints if e.queue_gauge is not None]
         answers = await asyncio.gather(*(self._server_queue(e) for e in asking))
         return {e.url: q for e, q in zip(asking, answers, strict=True) if q is not None}

@@ -93,7 +93,7 @@ def find_shards(directory: str | os.PathLike[str]) -> list[ShardFile]:
         dataset = str(manifest.get("dataset", directory.name))
         attrs = manifest.get("attrs") or {}
         final_state = final_state_of(attrs, manifest_path)
-        captured = fingerprint.fingerprint_of(attrs)
+        captured = manifest.get("capture_fingerprint") or fingerprint.fingerprint_of(attrs)
         return [
             ShardFile(
                 directory / entry["file"], dataset, int(entry["samples"]), final_state, captured

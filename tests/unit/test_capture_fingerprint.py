@@ -48,10 +48,9 @@ def test_the_fingerprint_names_every_field_that_differs() -> None:
         "layout: 'vllm server (its layout is not reported)' vs 'tp 8, dp 1, ep 1'",
     ]
     assert fingerprint.differences(CAPTURE, dict(CAPTURE)) == []
+    # Shards written before fingerprints say nothing: they differ from none.
     assert fingerprint.differences(None, None) == []
-    assert fingerprint.differences(CAPTURE, None) == [
-        "one has no capture fingerprint (written before it existed)"
-    ]
+    assert fingerprint.differences(CAPTURE, None) == []
     with pytest.raises(ValueError, match="lacks"):
         fingerprint.fingerprint_attr({"engine": "x"})
     line = fingerprint.describe(CAPTURE)
@@ -66,6 +65,23 @@ def test_unvalidated_shards_of_two_captures_are_refused_by_the_loader(tmp_path: 
     message = str(caught.value)
     assert "shard-00001.h5: captured otherwise than" in message
     assert "aux_layer_ids: [1, 3, 4] vs [2, 4, 6]" in message
+
+
+def test_a_run_upgraded_midway_keeps_the_shards_it_made_before_fingerprints(
+    tmp_path: Path,
+) -> None:
+    """Shards of a build before fingerprints beside shards of this one: read as one dataset
+    (nothing says they differ); two fingerprinted shards that differ still do not."""
+    write_shard(tmp_path / "shard-00000.h5", None)
+    write_shard(tmp_path / "shard-00001.h5", CAPTURE, 2)
+    assert len(HiddenStateDataset(tmp_path)) == 4
+    write_shard(tmp_path / "shard-00002.h5", {**CAPTURE, "final_state": "post_norm"}, 4)
+    with pytest.raises(
+        ShardFormatError,
+        match=r"shard-00002\.h5: captured otherwise than .*"
+        r"shard-00001\.h5 \(final_state: 'pre_norm' vs 'post_norm'\)",
+    ):
+        HiddenStateDataset(tmp_path)
 
 
 def test_a_shard_that_is_not_what_its_manifest_says_is_refused_when_read(tmp_path: Path) -> None:

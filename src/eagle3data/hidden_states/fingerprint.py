@@ -8,8 +8,9 @@ convention, the compute dtype, and the tokenizer's and chat template's hashes. T
 validator, the loader (and so every export and the draft check) refuse a dataset whose
 shards disagree on it, naming the fields; ``eagle3data-status`` shows it.
 
-Shards written before the fingerprint existed have none: they are read as before, and a
-dataset mixing them with fingerprinted ones is refused like any other mix.
+Shards written before the fingerprint existed have none, and say nothing: they differ from
+no fingerprint, so a run upgraded midway keeps the shards it made (the manifest takes the
+fingerprint of the shards that have one).
 """
 
 from __future__ import annotations
@@ -54,21 +55,31 @@ def fingerprint_of(attrs: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def differences(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> list[str]:
-    """``field: a vs b`` for each field that differs (one line for data without one)."""
+    """``field: a vs b`` for each field that differs; none where either is data written
+    before the fingerprint existed (module docstring)."""
     if a is None or b is None:
-        return [] if a is b else ["one has no capture fingerprint (written before it existed)"]
+        return []
     return [f"{f}: {a.get(f)!r} vs {b.get(f)!r}" for f in FIELDS if a.get(f) != b.get(f)]
 
 
+def first_fingerprint(shards: Sequence[tuple[str, Mapping[str, Any]]]) -> tuple[str, dict] | None:
+    """(where, fingerprint) of the first of ``shards`` that has one."""
+    for where, attrs in shards:
+        found = fingerprint_of(attrs)
+        if found is not None:
+            return where, found
+    return None
+
+
 def mixed_fingerprint_errors(shards: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
-    """One line per shard (``(where, attrs)``) whose fingerprint is not the first's."""
-    if not shards:
+    """One line per shard (``(where, attrs)``) whose fingerprint is not the first one's."""
+    first = first_fingerprint(shards)
+    if first is None:
         return []
-    first_where, first_attrs = shards[0]
-    first = fingerprint_of(first_attrs)
+    first_where, reference = first
     errors = []
-    for where, attrs in shards[1:]:
-        differ = differences(first, fingerprint_of(attrs))
+    for where, attrs in shards:
+        differ = differences(reference, fingerprint_of(attrs))
         if differ:
             errors.append(
                 f"{where}: captured otherwise than {first_where} ({'; '.join(differ)}): one "

@@ -368,8 +368,12 @@ def validate(
             }
         )
     attrs: dict[str, Any] = {}
+    captured: dict[str, Any] | None = None
     if shard_paths and not errors:
-        errors.extend(fingerprint.mixed_fingerprint_errors(_shard_attrs(shard_paths)))
+        every_attrs = _shard_attrs(shard_paths)
+        errors.extend(fingerprint.mixed_fingerprint_errors(every_attrs))
+        first = fingerprint.first_fingerprint(every_attrs)
+        captured = None if first is None else first[1]
     if shard_paths and not errors:  # a dataset can be empty (e.g. token_budget 0)
         with open_shard(shard_paths[0]) as first:
             skip = ("shard", "num_samples", "num_tokens")
@@ -417,9 +421,9 @@ def validate(
         "shards": shards,
         "checks": checks,
         "attrs": _jsonable(attrs),
-        # What made the states (every shard's is the same: checked above); None for shards
-        # written before it existed.
-        "capture_fingerprint": fingerprint.fingerprint_of(attrs),
+        # What made the states (every shard's that has one is the same: checked above);
+        # None when every shard was written before it existed.
+        "capture_fingerprint": captured,
         # None: the check was off (validate.agreement.enabled: false).
         "agreement": agreement_section,
     }

@@ -279,8 +279,9 @@ def _capture(results: Results, dataset: str) -> str | None:
     manifest = results.path(MANIFEST, dataset=dataset)
     if not manifest.is_file():
         return None
-    attrs = json.loads(manifest.read_text()).get("attrs") or {}
-    return fingerprint.describe(fingerprint.fingerprint_of(attrs))
+    written = json.loads(manifest.read_text())
+    captured = written.get("capture_fingerprint")
+    return fingerprint.describe(captured or fingerprint.fingerprint_of(written.get("attrs") or {}))
 
 
 def capture_lines(rows: Sequence[DatasetStatus]) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 from support.exported_run import DATASET, ConsumersRun, ExportedRun
+from support.workers import worker_threads
 from support.workflow import (
     Workflow,
     alpaca_prompts,
@@ -29,13 +31,59 @@ from support.workflow import (
     write_prompts,
 )
 
+# Under pytest-xdist (the README's ``pytest -n 2``) each group of tests runs whole on one
+# worker: the tests that read one of these session runs (built once per worker that needs
+# it: minutes each), and otherwise each test file (its module fixtures are built once).
+SHARED_RUNS = ("exported_run", "consumers_run", "finished_run")
+# The real-engine suites' files run one after the other (where their environments exist).
+SERVER_SUITES = ("vllm", "sglang")
+# Run first, so that the cheap groups fill the workers' ends: the folders whose tests run
+# models or the workflow, each counted at this many unit tests.
+HEAVY_FOLDERS = {"workflow": 40, "integration": 40, "trainers": 40, "vllm": 40, "sglang": 40}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Two OpenMP pools on the same cores spin against each other: the trained-draft test
+        # took 153 s alone and 624 s beside the other worker, each with two threads. The
+        # worker's torch and what it starts (Snakemake jobs, servers) take their share.
+        os.environ["OMP_NUM_THREADS"] = str(worker_threads())
+        import torch
+
+        torch.set_num_threads(worker_threads())
+    if getattr(config.option, "numprocesses", None):
+        # The groups above and their order (pytest_collection_modifyitems) are how the
+        # suite is meant to be split; xdist's own reorder by test count would undo the order.
+        config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        group = next((run for run in SHARED_RUNS if run in fixtures), item.nodeid.split("::")[0])
+        if item.path.parent.name in SERVER_SUITES:
+            group = item.path.parent.name  # one real server at a time: they time their kills
+        item.add_marker(pytest.mark.xdist_group(group))
+        groups.setdefault(group, []).append(item)
+
+    def weight(group: list[pytest.Item]) -> int:
+        return sum(HEAVY_FOLDERS.get(item.path.parent.name, 1) for item in group)
+
+    # Every worker sorts the same collection the same way (xdist checks that they agree).
+    ordered = sorted(groups.values(), key=weight, reverse=True)
+    items[:] = [item for group in ordered for item in group]
+
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Starts what a collected test module runs in the background (its ``BACKGROUND``: the
     package-index resolutions of tests/project/test_dependency_resolution.py, which wait on
     the network while the session goes on); the module decides which of its tests need it."""
-    if session.config.option.collectonly:
-        return
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # under xdist a module's fixture starts it, on the worker that runs the module
     for module in {item.module for item in session.items if isinstance(item, pytest.Function)}:
         background = getattr(module, "BACKGROUND", None)
         if background is not None:

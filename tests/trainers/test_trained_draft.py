@@ -30,6 +30,7 @@ import torch
 pytest.importorskip("speculators", reason="the README's test command installs speculators==0.9.0")
 
 from support.exported_run import ExportedRun
+from support.workers import worker_threads
 
 from eagle3data.consumers.draft_check import (
     DraftCheckSettings,
@@ -114,7 +115,7 @@ def _passes(summary_margins: dict[str, dict[str, float]], control: str) -> bool:
 
 
 def test_trained_draft_beats_shifted_and_untrained_controls(smollm2_dir: Path) -> None:
-    torch.set_num_threads(2)
+    torch.set_num_threads(worker_threads())
     start = time.monotonic()
     samples = _target_samples(smollm2_dir)
     counts = Counter(int(t) for s in samples for t in s.input_ids[s.loss_mask.bool()])

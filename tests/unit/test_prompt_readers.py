@@ -433,13 +433,13 @@ def test_struct_fields_missing_in_a_row_come_back_as_none(tmp_path: Path) -> Non
     [
         (b"PK\x03\x04\x14\x00\x00\x00", "looks like a ZIP archive (first bytes 50 4b 03 04)"),
         (
-            gzip.compress(b"PK\x03\x04 zipped"),
+            gzip.compress(b"PK\x03\x04 zipped", mtime=0),
             "looks like a ZIP archive, gzip-compressed (first bytes 50 4b 03 04)",
         ),
         (b"\x00\x01\x02\x03garbage", "looks like binary data (first bytes 00 01 02 03)"),
         (b"id,text\n1,hello\n", "looks like text that is not JSON (it starts 'id,text\\\\n1,hello"),
         (b"<!DOCTYPE html><html>", "looks like an HTML or XML document"),
-        (gzip.compress(b"PAR1xxxx"), "gzip-compressed Parquet: decompress it"),
+        (gzip.compress(b"PAR1xxxx", mtime=0), "gzip-compressed Parquet: decompress it"),
         (b"\xff\xfe{\x00", "looks like UTF-16 text"),
         (
             b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 12\n",

@@ -51,9 +51,12 @@ def shards(wf: Workflow) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(wf.path(RESULTS).glob("shard-*.h5"))}
 
 
-def engine_processes() -> list[int]:
-    """Live capture engines of this user (their command line names the module)."""
+def engine_processes(engine_root: Path) -> list[int]:
+    """Live capture engines of this test (their command line names the module and their
+    directory under ``engine_root``: a test beside this one, under pytest-xdist, may run its
+    own)."""
     found = []
+    root = str(engine_root).encode()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -61,7 +64,7 @@ def engine_processes() -> list[int]:
             cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"eagle3data.hidden_states.capture_service" in cmdline:
+        if b"eagle3data.hidden_states.capture_service" in cmdline and root in cmdline:
             found.append(int(proc.name))
     return found
 
@@ -74,7 +77,10 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60) -> N
 
 
 def nothing_left(engine_root: Path) -> None:
-    wait_for(lambda: not engine_processes(), f"capture engines left: {engine_processes()}")
+    wait_for(
+        lambda: not engine_processes(engine_root),
+        f"capture engines left: {engine_processes(engine_root)}",
+    )
     wait_for(lambda: not any(engine_root.glob("*/*")), f"left in {engine_root}")
 
 
@@ -162,4 +168,4 @@ def test_the_target_loads_once_per_phase_and_a_killed_run_resumes_identical(
         wf.path(f"logs/hidden_states/A1/{Path(target).stem}.log").read_text() for target in remade
     )
     assert not STARTED.search(remade_logs), "no capture engine for per-shard jobs"
-    assert not engine_processes()
+    assert not engine_processes(engine_root)

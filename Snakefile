@@ -1,5 +1,6 @@
 # EAGLE-3 training data: prompts -> responses -> tokenized -> hidden-state shards.
-# See README.md for usage and DESIGN of the files; logic lives in src/eagle3data.
+# See README.md for usage and docs/reference/outputs.md for the files; logic lives in
+# src/eagle3data.
 
 
 configfile: "config/config.yaml"

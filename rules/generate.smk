@@ -23,7 +23,8 @@ rule generate:
         # GPUs this job takes (0 on CPU and for the openai backend); see gpu_slots.
         gpu=job_gpus(config, "generation"),
     params:
-        # Budgets are separate: changing one reuses the journal (DESIGN: budget semantics).
+        # Budgets are separate: changing one reuses the journal (docs/how-to/budgets.md,
+        # "How a budget works").
         settings=GENERATION_SETTINGS,
         token_budget=lookup(dpath="datasets/{dataset}/token_budget", within=config),
         max_samples=lookup(dpath="datasets/{dataset}/max_samples", within=config),

@@ -1,6 +1,6 @@
 # The run report: pictures of lengths, budget use, truncation, throughput and shards,
 # plus summary.html. `snakemake --report report.zip` packages them with the captions
-# in report/ (see README, "Report").
+# in report/ (see docs/reference/status.md, "Report").
 
 
 rule report:

@@ -105,8 +105,8 @@ def _capture_server_problems(config: Mapping[str, Any]) -> list[str]:
     if not url:
         return [
             "hidden_states.vllm.url: not set, and hidden_states.backend: vllm captures through "
-            "that server: name its OpenAI base URL, e.g. http://localhost:8000/v1 (README, "
-            "'Capture with vLLM')"
+            "that server: name its OpenAI base URL, e.g. http://localhost:8000/v1 "
+            "(docs/how-to/vllm.md, 'Start the capture server')"
         ]
     if not re.match(r"^https?://[^/\s]+", str(url)):
         return [
@@ -193,8 +193,8 @@ def environment_problems(config: Mapping[str, Any], rule_env: Path | None = None
     exist yet: the packages must be among those it lists."""
     from .consumers.requirements import (
         SPECULATORS,
+        SPECULATORS_DOCS,
         SPECULATORS_EXPORT,
-        SPECULATORS_README,
         declared_packages,
         install_hint,
         missing_packages,
@@ -217,14 +217,14 @@ def environment_problems(config: Mapping[str, Any], rule_env: Path | None = None
                     f"{key}: true needs {', '.join(p.module for p in missing)} in its jobs' "
                     f"conda environment ({rule_env.name}), which does not list them: add "
                     f"them to its pip section, or run without --software-deployment-method "
-                    f"conda ({SPECULATORS_README})"
+                    f"conda ({SPECULATORS_DOCS})"
                 )
             continue
         missing = missing_packages(packages)
         if missing:
             problems.append(
                 f"{key}: true needs {', '.join(p.module for p in missing)}, not installed "
-                f"here: {install_hint(missing)} ({SPECULATORS_README})"
+                f"here: {install_hint(missing)} ({SPECULATORS_DOCS})"
             )
     return problems
 

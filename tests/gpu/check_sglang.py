@@ -1,7 +1,7 @@
 """GPU check: SGLang capture vs the transformers backend on the same weights and tokens.
 
 Needs a CUDA GPU and sglang >= 0.5.23 (the GPU box: ``pip install -e '.[gpu]' -c
-constraints/gpu.txt``, README). Run from the repository root:
+constraints/gpu.txt``; docs/how-to/install.md, "The GPU box"). Run from the repository root:
 
     python tests/gpu/check_sglang.py                       # shrunken random Llama
     python tests/gpu/check_sglang.py --model kimi-wrapper  # shrunken Kimi-K2.5, as K2.5 ships

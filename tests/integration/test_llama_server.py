@@ -193,7 +193,8 @@ def test_completion_tokens_exclude_the_end_token(
     server: LlamaServer, baseline: dict[str, Any]
 ) -> None:
     """An answer of n counted tokens fits max_tokens=n with nothing cut: the end token
-    that stopped it is not counted (the in-process engine counts it: README)."""
+    that stopped it is not counted (the in-process engine counts it: docs/how-to/budgets.md,
+    "How a budget works")."""
     assert baseline["choices"][0]["finish_reason"] == "stop"
     n = baseline["usage"]["completion_tokens"]
     capped = fresh(server, max_tokens=n)

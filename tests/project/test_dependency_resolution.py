@@ -1,7 +1,7 @@
 """The dependency declarations hold together: pyproject.toml's ranges admit what each lock in
-constraints/ pins, no lock names a package twice, and each install the README names (an extra,
+constraints/ pins, no lock names a package twice, and each install the docs name (an extra,
 or extras together: the GPU box that drives SLURM needs ``.[gpu,slurm]``) still resolves on the
-package index, with the lock the README installs it with, to the lock's versions (pip's own
+package index, with the lock the docs install it with, to the lock's versions (pip's own
 resolver in a dry run: nothing is installed).
 
 The resolutions need the index: they skip, saying why, when it cannot be reached (deselect them
@@ -40,7 +40,8 @@ from packaging.version import Version
 from support.workflow import REPO
 
 LOCKS = {"cpu": REPO / "constraints" / "cpu.txt", "gpu": REPO / "constraints" / "gpu.txt"}
-# The lock each install (its extras, as pip spells them in `.[...]`) is made with (README): the
+# The lock each install (its extras, as pip spells them in `.[...]`) is made with
+# (docs/how-to/install.md): the
 # CPU default's extras, the GPU box, and the GPU box that drives SLURM (sglang's numpy < 2.4
 # rules out the slurm plugin's newest releases there).
 EXTRA_LOCK = {"test": "cpu", "slurm": "cpu", "gpu": "gpu", "gpu,slurm": "gpu"}

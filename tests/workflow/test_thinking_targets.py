@@ -442,7 +442,8 @@ def test_rows_without_ids_still_train_and_show_what_the_ids_fix(
 ) -> None:
     """The same thinking run tokenized from the engine's ids and, its ids removed as in
     rows written before they were kept, from the re-render: both validate, and only the
-    ids reach the agreement of thinking off (README "Validation" reports both). (The run
+    ids reach the agreement of thinking off (docs/reference/validation.md, "Training on the
+    engine's token ids" reports both). (The run
     with ids: the plain checkpoint thinking in process, as the end-to-end test checks it.)"""
     wf = kimi_runs("plain", True, "transformers").copy(tmp_path)
     assert wf.config["validate"]["agreement"]["enabled"]

@@ -1,8 +1,9 @@
 """End-to-end: the real Snakemake workflow on a tiny random model.
 
-Checks the DESIGN.md contract on real files: budgets, prefix order, formats,
-hidden states equal to a direct transformers forward, nothing re-planned on a
-second run, kill-and-resume without loss or duplication, budget changes.
+Checks the documented contract (docs/how-to/budgets.md, docs/reference/outputs.md) on real
+files: budgets, prefix order, formats, hidden states equal to a direct transformers forward,
+nothing re-planned on a second run, kill-and-resume without loss or duplication, budget
+changes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What the exports import beyond this package's own dependencies, checked before any work.
 
 speculators and its data package hs-connectors are installed ``--no-deps`` beside this
-package (their pins conflict with ours, README), and ``datasets`` comes with the test
-extra or sglang, not with the core install. Found missing only when the export checks
+package (their pins conflict with ours: docs/how-to/install.md), and ``datasets`` comes with
+the test extra or sglang, not with the core install. Found missing only when the export checks
 itself, they would cost the whole written folder, or, at the end of a run, days of
 generation: so the workflow looks them up when it reads the config (``find_spec``, which
 imports nothing) and the export imports them before it writes a file.
@@ -55,7 +55,7 @@ SPECULATORS_EXPORT_IMPORTS = (
     "speculators.train.vocab_mapping",
     "speculators.utils.loading",
 )
-SPECULATORS_README = "README, 'speculators export'"
+SPECULATORS_DOCS = "docs/how-to/training.md, 'speculators export'"
 
 
 def normalised_name(name: str) -> str:
@@ -102,7 +102,7 @@ def require_speculators_export() -> None:
     if missing:
         raise SpeculatorsExportError(
             f"the speculators export needs {', '.join(p.module for p in missing)}, not "
-            f"installed here: {install_hint(missing)} ({SPECULATORS_README})"
+            f"installed here: {install_hint(missing)} ({SPECULATORS_DOCS})"
         )
     for module in SPECULATORS_EXPORT_IMPORTS:
         try:
@@ -111,5 +111,5 @@ def require_speculators_export() -> None:
             raise SpeculatorsExportError(
                 f"the speculators export checks itself with speculators' own code, and "
                 f"{module} does not import ({exc}); install what it names, or "
-                f"{install_hint(SPECULATORS_EXPORT)} ({SPECULATORS_README})"
+                f"{install_hint(SPECULATORS_EXPORT)} ({SPECULATORS_DOCS})"
             ) from None

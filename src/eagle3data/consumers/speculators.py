@@ -453,7 +453,8 @@ def verify_speculators_export(
     except ImportError as exc:
         raise SpeculatorsExportError(
             f"the speculators export checks itself with speculators' own code, which does "
-            f"not import ({exc}); install speculators==0.9.0 (README, 'speculators export')"
+            f"not import ({exc}); install speculators==0.9.0 "
+            f"(docs/how-to/training.md, 'speculators export')"
         ) from None
 
     export_dir = Path(export_dir)

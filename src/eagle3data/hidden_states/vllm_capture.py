@@ -522,9 +522,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config["model"].get("trust_remote_code") and "--trust-remote-code" not in extra:
         extra.append("--trust-remote-code")
     if config["generation"]["backend"] == "openai":
-        # The generate stage may talk to this server ("One server for both stages", README):
-        # without the parsers the reasoning and the tool calls stay raw text in the content.
-        # They change nothing in what the capture requests get.
+        # The generate stage may talk to this server (docs/how-to/vllm.md, "One server for
+        # both stages"): without the parsers the reasoning and the tool calls stay raw text in
+        # the content. They change nothing in what the capture requests get.
         flags = generation_flags(model_config.architectures(config_json))
         if flags is None:
             sys.stderr.write(

@@ -189,7 +189,7 @@ def preview_lines(config: Mapping[str, Any], results: Results | None = None) -> 
     dataset, their total and the free disk."""
     results = results or Results()
     progress = {ds: generation_progress(config, ds, results) for ds in config["datasets"]}
-    lines = ["Generation (from the journals; see README, 'Dry run'):"]
+    lines = ["Generation (from the journals; see docs/reference/status.md, 'Dry run'):"]
     lines += [generation_line(config, ds, progress[ds], results) for ds in config["datasets"]]
     per_token = model_bytes_per_token(config)
     estimates = [estimate_from(config, ds, progress[ds], per_token) for ds in config["datasets"]]

@@ -39,7 +39,9 @@ import numpy as np
 import torch
 
 from .. import model_config
-from ..errors import ValidationError
+from ..errors import ModelConfigError, ValidationError
+from . import checkpoint_tensors
+from .checkpoint_tensors import read_tensor
 from .final_state import PRE_NORM, FinalNorm, final_state_of
 
 log = logging.getLogger(__name__)
@@ -108,39 +110,16 @@ class AgreementStats:
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
-    """Checkpoint tensor name -> file, from the index when there is one."""
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index = model_dir / index_name
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: model_dir / file for name, file in weight_map.items()}
-    for single in ("model.safetensors", "pytorch_model.bin"):
-        path = model_dir / single
-        if path.is_file():
-            return dict.fromkeys(_tensor_names(path), path)
-    raise ValidationError(
-        f"{model_dir}: no model.safetensors(.index.json) or pytorch_model.bin(.index.json) "
-        f"to read the lm_head from (validate.agreement needs it; set "
-        f"validate.agreement.enabled: false to skip the check)"
-    )
-
-
-def _tensor_names(path: Path) -> list[str]:
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            return list(f.keys())
-    return list(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
-
-
-def read_tensor(path: Path, name: str) -> torch.Tensor:
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            return f.get_tensor(name)
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)[name]
+    """Checkpoint tensor name -> file (:mod:`.checkpoint_tensors`); a model without weight
+    files is this check's error."""
+    try:
+        return checkpoint_tensors.weight_files(
+            model_dir,
+            "to read the lm_head from (validate.agreement needs it; set "
+            "validate.agreement.enabled: false to skip the check)",
+        )
+    except ModelConfigError as exc:
+        raise ValidationError(str(exc)) from None
 
 
 def head_tensor_name(names: Iterable[str]) -> str:

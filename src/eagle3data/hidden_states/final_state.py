@@ -105,7 +105,7 @@ def load_final_norm(
     from transformers import AutoModelForCausalLM
 
     from ..target import text_decoder_config
-    from .agreement import read_tensor, weight_files
+    from .checkpoint_tensors import read_tensor, weight_files
 
     config = text_decoder_config(model_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
@@ -118,7 +118,7 @@ def load_final_norm(
         )
     prefix = next(name for name, module in model.named_modules() if module is norm)
     wanted = {f"{prefix}.{name}": name for name in norm.state_dict()}
-    files = weight_files(Path(model_path))
+    files = weight_files(Path(model_path), "to read its final norm from")
     mapping = decoder_key_mapping(read_model_config(model_path))
     found: dict[str, torch.Tensor] = {}
     for stored in files:

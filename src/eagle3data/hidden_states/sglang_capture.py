@@ -53,9 +53,9 @@ from ..errors import SGLangCaptureError
 from ..target import check_remote_code
 from ..torch_utils import TORCH_DTYPES
 from . import handoff
-from .backends import read_engine_target
 from .engine_processes import EngineWatch, descendants, process_keys, shm_files
 from .engine_reaper import Reaper
+from .engine_target import read_engine_target
 from .final_state import PRE_NORM
 from .layers import AuxLayers
 

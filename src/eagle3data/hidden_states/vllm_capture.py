@@ -51,7 +51,7 @@ from ..generation.engines import TransientError
 from ..generation.engines.openai_engine import RETRY_STATUS, error_message, json_or_none
 from ..target import check_remote_code
 from ..torch_utils import TORCH_DTYPES
-from .backends import read_engine_target
+from .engine_target import read_engine_target
 from .final_state import POST_NORM, PRE_NORM, load_final_norm
 from .layers import AuxLayers, resolve_aux_layers
 from .vllm_files import discard_states, read_states

@@ -74,7 +74,8 @@ from tenacity import (
 
 from ...errors import EngineUnavailable
 from ...hidden_states.vllm_files import discard_states
-from . import (
+from .endpoint_slots import SLOT_POLL_S, EndpointSlots, allow_open_files
+from .protocol import (
     CURRENT_REQUEST,
     OVER_CONTEXT,
     Completion,
@@ -84,7 +85,6 @@ from . import (
     TransientError,
     TurnFailure,
 )
-from .endpoint_slots import SLOT_POLL_S, EndpointSlots, allow_open_files
 from .server_queue import QueueGauge, ServerQueue, gauge_for
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from ...chat import THINK_CLOSE, THINK_OPEN, render, split_reasoning
 from ...model_config import context_length
 from ...target import load_causal_lm
-from . import OVER_CONTEXT, Completion, Message, Tools, TurnFailure
+from .protocol import OVER_CONTEXT, Completion, Message, Tools, TurnFailure
 
 log = logging.getLogger(__name__)
 

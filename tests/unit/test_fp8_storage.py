@@ -13,7 +13,6 @@ import polars as pl
 import pytest
 import torch
 
-from eagle3data import shards
 from eagle3data.consumers.specforge import export_specforge
 from eagle3data.consumers.vocab import build_draft_vocab, draft_vocab
 from eagle3data.hidden_states.settings import hidden_state_settings
@@ -24,6 +23,7 @@ from eagle3data.shards import (
     ShardFormatError,
     ShardWriter,
     bytes_per_token,
+    encoding,
     open_shard,
     validate_shard,
 )
@@ -179,7 +179,7 @@ def test_torch_and_numpy_inputs_write_the_same_bits(tmp_path: Path) -> None:
 
 def test_numpy_float8_rounding_matches_torch_on_every_boundary() -> None:
     values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-    assert np.array_equal(values, shards._FP8_VALUES, equal_nan=True)
+    assert np.array_equal(values, encoding.FP8_VALUES, equal_nan=True)
     grid = np.unique(np.abs(values[np.isfinite(values)]))
     mid = ((grid[:-1].astype(np.float64) + grid[1:]) / 2).astype(np.float32)  # exact ties
     x = np.concatenate(
@@ -187,7 +187,7 @@ def test_numpy_float8_rounding_matches_torch_on_every_boundary() -> None:
     ).astype(np.float32)
     x = np.concatenate([x, -x, [np.nan]]).astype(np.float32)
     want = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    assert np.array_equal(shards._float32_to_fp8_bits(x), want)
+    assert np.array_equal(encoding.float32_to_fp8_bits(x), want)
 
 
 def test_zero_rows_are_stored_with_unit_scales(tmp_path: Path) -> None:
@@ -293,7 +293,7 @@ def write_v1_shard(path: Path, h: int = 8) -> tuple[np.ndarray, np.ndarray]:
     gen = np.random.default_rng(0)
     aux = gen.standard_normal((6, 3 * h)).astype(np.float32)
     last = gen.standard_normal((6, h)).astype(np.float32)
-    as_bits = shards._float32_to_bf16_bits
+    as_bits = encoding.float32_to_bf16_bits
     with h5py.File(path, "w") as f:
         f.attrs.update(
             format="eagle3-hidden-states",

@@ -15,10 +15,12 @@ from eagle3data.shards import (
     ShardFormatError,
     ShardWriter,
     bytes_per_token,
+    encoding,
     file_sha256,
     open_shard,
     validate_shard,
 )
+from eagle3data.shards import validation as shard_validation
 
 H = 16
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -178,12 +180,12 @@ def test_numpy_bf16_rounding_matches_torch_on_edge_cases():
     )
     rng = np.random.default_rng(0)
     values = np.concatenate([specials, rng.standard_normal(10_000).astype(np.float32) * 1e3])
-    ours = shards._float32_to_bf16_bits(values)
+    ours = encoding.float32_to_bf16_bits(values)
     theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     # NaN payloads differ between torch kernels; only NaN-ness matters (the writer rejects NaN).
     nan = np.isnan(values)
     np.testing.assert_array_equal(ours[~nan], theirs[~nan])
-    assert np.isnan(shards._bf16_bits_to_float32(ours[nan])).all()
+    assert np.isnan(encoding.bf16_bits_to_float32(ours[nan])).all()
 
 
 def test_compression_round_trip(tmp_path: Path):
@@ -481,7 +483,7 @@ def test_non_finite_values(tmp_path: Path, hidden_dtype: str, bad, name: str):
 
 
 def test_finite_scan_reads_in_bounded_chunks(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(shards, "_SCAN_BYTES", 1)  # force one row per read
+    monkeypatch.setattr(shard_validation, "_SCAN_BYTES", 1)  # force one row per read
     path = write_shard(tmp_path / "s.h5", make_samples(), "float16")
     with h5py.File(path, "r+") as f:
         f["last_hidden_states"][23, 0] = np.nan

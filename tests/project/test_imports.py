@@ -1,6 +1,8 @@
-"""The package's modules import one another without a circle: every import statement, at
-module level or inside a function (a lazy import still ties the two modules together), read
-from the source with ``ast``; the strongly connected components come from networkx."""
+"""How the package's modules import one another: without a circle, and the two stages
+(``generation``, ``hidden_states``) never one the other: what both need of the servers is
+``eagle3data.servers``. Every import statement counts, at module level or inside a function
+(a lazy import still ties the two modules together), read from the source with ``ast``; the
+strongly connected components come from networkx."""
 
 from __future__ import annotations
 
@@ -56,6 +58,22 @@ def circles(graph: nx.DiGraph) -> list[list[str]]:
 def test_no_module_imports_itself_through_others() -> None:
     found = circles(import_graph())
     assert found == [], "import circles (each a group of modules that import one another)"
+
+
+STAGES = ("eagle3data.generation", "eagle3data.hidden_states")
+
+
+def stage_of(module: str) -> str | None:
+    return next((s for s in STAGES if module == s or module.startswith(s + ".")), None)
+
+
+def test_neither_stage_imports_the_other() -> None:
+    crossing = sorted(
+        f"{a} imports {b}"
+        for a, b in import_graph().edges
+        if stage_of(a) and stage_of(b) and stage_of(a) != stage_of(b)
+    )
+    assert crossing == []
 
 
 def test_the_check_sees_lazy_and_relative_imports() -> None:

@@ -59,7 +59,7 @@ from support.workflow import (
     write_prompts,
 )
 
-from eagle3data.hidden_states.engine_processes import descendants
+from eagle3data.servers.processes import descendants
 
 DATASET = "A1"
 RESULTS = f"results/hidden_states/{DATASET}"

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, ClassVar, Self, TypedDict
 
-from eagle3data.hidden_states.engine_processes import shm_files
+from eagle3data.servers.processes import shm_files
 
 
 def free_port() -> int:

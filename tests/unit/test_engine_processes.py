@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3data.hidden_states import engine_processes
-from eagle3data.hidden_states.engine_processes import EngineWatch, Worker, describe_end, shm_files
-from eagle3data.hidden_states.engine_reaper import Reaper
+from eagle3data.servers import processes as engine_processes
+from eagle3data.servers.processes import EngineWatch, Worker, describe_end, shm_files
+from eagle3data.servers.reaper import Reaper
 
 SPAWN = multiprocessing.get_context("spawn")
 needs_dev_shm = pytest.mark.skipif(
@@ -154,7 +154,7 @@ JOB = textwrap.dedent(
     import os, subprocess, sys, time
     from multiprocessing import shared_memory
     sys.path.insert(0, sys.argv[1])
-    from eagle3data.hidden_states.engine_reaper import Reaper
+    from eagle3data.servers.reaper import Reaper
     reaper = Reaper(sys.argv[2])
     # In a session of its own: the kill of the job's group does not reach it, as a worker
     # that outlives its job.
@@ -218,7 +218,7 @@ def test_the_reaper_cleans_up_after_the_job_however_it_ends(tmp_path, end):
 
 
 def test_a_report_cut_short_by_the_jobs_death_is_ignored(tmp_path):
-    from eagle3data.hidden_states import engine_reaper
+    from eagle3data.servers import reaper as engine_reaper
 
     keep = tmp_path / "keep"
     keep.write_text("x")

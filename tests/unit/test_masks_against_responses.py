@@ -17,7 +17,6 @@ from support.engine_ids import engine_token_ids
 
 from eagle3data import model_config
 from eagle3data.errors import ValidationError
-from eagle3data.generation.records import compact_token_ids
 from eagle3data.hidden_states import agreement
 from eagle3data.hidden_states.layers import resolve_aux_layers
 from eagle3data.hidden_states.validation import validate
@@ -25,6 +24,7 @@ from eagle3data.shards import ShardWriter
 from eagle3data.tokenization import samples as samples_module
 from eagle3data.tokenization.samples import ResponseSamples
 from eagle3data.tokenization.stage import tokenize
+from eagle3data.turn_ids import compact_token_ids
 
 SETTINGS = {"chat_template_kwargs": {}, "max_seq_len": 4096, "reasoning": "keep"}
 

@@ -513,7 +513,7 @@ def test_error_messages_of_both_body_shapes_are_recorded(tmp_path: Path, style: 
 
 
 def test_sglang_error_bodies_give_their_message() -> None:
-    from eagle3data.generation.engines.openai_engine import error_message
+    from eagle3data.servers.http import error_message
 
     flat = {"object": "error", "message": "too long", "type": "BadRequestError", "code": 400}
     assert error_message(flat, "") == "too long"
@@ -806,11 +806,8 @@ def test_what_real_servers_sent_about_the_context_is_over_context() -> None:
     """vLLM 0.32 and SGLang 0.5.23 recorded on a 1024-token model: a 1013-token prompt
     with max_tokens 100, and prompts longer than the context."""
     from eagle3data.generation.engines import OVER_CONTEXT, TurnFailure
-    from eagle3data.generation.engines.openai_engine import (
-        error_message,
-        failure_kind,
-        models_context,
-    )
+    from eagle3data.generation.engines.openai_engine import failure_kind
+    from eagle3data.servers.http import error_message, models_context
 
     for server in ("vllm", "sglang"):
         models = _recorded(server, "models")["response"]

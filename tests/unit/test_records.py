@@ -86,7 +86,7 @@ def test_polars_reads_the_same_counts(stamped: bool) -> None:
 
 
 def test_token_ids_are_stored_once_and_read_back_per_turn() -> None:
-    from eagle3data.generation.records import compact_token_ids, turn_token_ids
+    from eagle3data.turn_ids import compact_token_ids, turn_token_ids
 
     first = ([1, 2, 3], [4, 5])
     second = ([1, 2, 3, 4, 5, 6, 7], [8])  # extends the first turn: stored as [6, 7]
@@ -113,7 +113,7 @@ def test_token_ids_are_stored_once_and_read_back_per_turn() -> None:
 
 
 def test_the_summary_reads_records_with_token_ids_as_without() -> None:
-    from eagle3data.generation.records import compact_token_ids
+    from eagle3data.turn_ids import compact_token_ids
 
     with_ids = [
         {**TURNS[0], "token_ids": compact_token_ids([], [1, 2, 3], [4, 5])},

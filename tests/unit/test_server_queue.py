@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3data.generation.engines.server_queue import (
+from eagle3data.servers.queue import (
     SentRequest,
     ServerQueue,
     SGLangLoads,

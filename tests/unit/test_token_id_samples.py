@@ -13,9 +13,9 @@ from support.engine_ids import engine_token_ids
 
 from eagle3data.chat import tokenize_conversation
 from eagle3data.errors import ResponseError
-from eagle3data.generation.records import compact_token_ids
 from eagle3data.tokenization.samples import tokenize_response
 from eagle3data.tokenization.stage import tokenize
+from eagle3data.turn_ids import compact_token_ids
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

@@ -36,7 +36,7 @@ from eagle3data.hidden_states.vllm_capture import (
     stated_layers,
     vllm_layer_ids,
 )
-from eagle3data.hidden_states.vllm_files import discard_states, read_states
+from eagle3data.servers.vllm_files import discard_states, read_states
 
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "vllm"
 

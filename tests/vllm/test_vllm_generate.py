@@ -57,7 +57,7 @@ from support.vllm_server import (
 from support.workflow import sharegpt_prompts, write_prompts
 
 from eagle3data.chat import render
-from eagle3data.generation.records import turn_token_ids
+from eagle3data.turn_ids import turn_token_ids
 
 pytestmark = pytest.mark.e2e
 

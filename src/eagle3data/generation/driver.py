@@ -48,6 +48,8 @@ from .. import __version__
 from ..atomic import write_jsonl
 from ..driver_signals import signal_name, stop_deferred
 from ..errors import GenerationAborted, JournalCorruptError
+from ..servers.queue import SentRequest, ServerQueue, queued_positions
+from ..turn_ids import compact_token_ids
 from .budget import (
     LengthFit,
     LengthModel,
@@ -70,7 +72,6 @@ from .engines import (
     TurnFailure,
 )
 from .engines.endpoint_slots import SLOT_POLL_S
-from .engines.server_queue import SentRequest, ServerQueue, queued_positions
 from .journal import JournalWriter, read_journal
 from .records import (
     RECORD_STATUSES,
@@ -78,7 +79,6 @@ from .records import (
     JournalRecord,
     Turn,
     abandoned_record,
-    compact_token_ids,
     counted_tokens,
     failed_record,
     is_failed,
@@ -893,7 +893,7 @@ def _say_unattributable(
     run: _Run, requests: Sequence[SentRequest], queues: Mapping[str, ServerQueue]
 ) -> None:
     """Once per server: its gauge counts more than this job's requests, so its waiting
-    ones are not read as ours (server_queue.ServerQueue.attributable)."""
+    ones are not read as ours (servers.queue.ServerQueue.attributable)."""
     ours: dict[str, int] = {}
     for request in requests:
         if request.endpoint is not None and request.sent_at is not None:

@@ -25,7 +25,7 @@ ran (``"estimate"``). Readers of outcomes skip it (:func:`is_outcome`); :func:`s
 counts it.
 
 A :class:`Turn` keeps the token ids the engine saw and produced (``token_ids``, stored
-compactly: :func:`compact_token_ids`, :func:`turn_token_ids`) where it returned them.
+compactly: :mod:`eagle3data.turn_ids`) where it returned them.
 
 ``finished_at`` (unix seconds) is when the record was journaled; journals written before
 it existed lack it. ``messages`` is the regenerated conversation: the source's system,
@@ -38,25 +38,16 @@ a result answers, see ``driver._answering``) and the regenerated assistant turns
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, NotRequired, TypedDict
 
 import polars as pl
 
 from ..atomic import dumps_line
+from ..turn_ids import TurnTokenIds
 
 # Every kind of record a journal holds (the docstring above); a reader refuses others.
 RECORD_STATUSES = ("ok", "failed", "abandoned")
-
-
-class TurnTokenIds(TypedDict):
-    """A turn's token ids, stored once: the turn's prompt ids are the previous turn's
-    prompt and completion ids cut at ``prompt_shared``, then ``prompt`` (a conversation's
-    history is not repeated in every turn)."""
-
-    prompt_shared: int
-    prompt: list[int]
-    completion: list[int]
 
 
 class Turn(TypedDict):
@@ -133,46 +124,6 @@ def ok_record(
     if tools is not None:  # absent otherwise: records without tools are unchanged
         record["tools"] = tools
     return record
-
-
-def compact_token_ids(
-    previous: Sequence[int], prompt_ids: Sequence[int], completion_ids: Sequence[int]
-) -> TurnTokenIds:
-    """A turn's ids stored against ``previous``, the last turn's prompt then completion
-    ids ([] for the first turn); :func:`turn_token_ids` undoes it."""
-    shared = 0
-    for a, b in zip(previous, prompt_ids, strict=False):
-        if a != b:
-            break
-        shared += 1
-    return {
-        "prompt_shared": shared,
-        "prompt": list(prompt_ids[shared:]),
-        "completion": list(completion_ids),
-    }
-
-
-def turn_token_ids(turns: Sequence[Mapping[str, Any]]) -> list[tuple[list[int], list[int]] | None]:
-    """Each turn's (prompt ids, completion ids) as the engine returned them; None for a
-    turn without ids (the turn after one is stored against nothing)."""
-    out: list[tuple[list[int], list[int]] | None] = []
-    previous: list[int] = []
-    for turn in turns:
-        ids = turn.get("token_ids")
-        if ids is None:
-            out.append(None)
-            previous = []
-            continue
-        shared = int(ids["prompt_shared"])
-        if shared > len(previous):
-            raise ValueError(
-                f"token_ids.prompt_shared {shared} exceeds the previous turn's {len(previous)} ids"
-            )
-        prompt = previous[:shared] + list(ids["prompt"])
-        completion = list(ids["completion"])
-        out.append((prompt, completion))
-        previous = prompt + completion
-    return out
 
 
 def failed_record(

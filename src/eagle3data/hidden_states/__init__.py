@@ -7,8 +7,8 @@ tokenized conversations -> the target's hidden states in HDF5 shards (the format
 * :mod:`.extraction`: one shard job: batching, streaming writes;
 * :mod:`.backends`: the capture backend config names: :mod:`.transformers_capture`
   (hooks, in-process) or :mod:`.sglang_capture` (SGLang's engine, several ranks), with
-  :mod:`.handoff` (rows from the ranks as raw bytes), :mod:`.engine_processes` (which rank
-  failed, what it holds) and :mod:`.engine_reaper` (what a killed engine leaves);
+  :mod:`.handoff` (rows from the ranks as raw bytes); the engine's processes and their
+  cleanup are :mod:`eagle3data.servers`;
 * :mod:`.layers`: which decoder layers feed EAGLE-3, in both numbering conventions;
 * :mod:`.validation`: the checks and the manifest.
 """

@@ -405,7 +405,7 @@ def _wait_ended(engines: list[tuple[int, str]], timeout_s: float = 120.0) -> Non
     """Until ``engines`` and every process they started are gone (SGLang's workers, and
     multiprocessing's resource tracker, which unlinks what an engine leaves in /dev/shm
     once the engine has ended): what a job's end meant when the job held the engine."""
-    from .engine_processes import Worker, descendants, is_running
+    from ..servers.processes import Worker, descendants, is_running
 
     seen: dict[tuple[int, int], Worker] = {}
     deadline = time.monotonic() + timeout_s

@@ -37,7 +37,7 @@ import torch
 
 from ..atomic import pid_alive
 from ..errors import SGLangCaptureError
-from .engine_processes import Worker
+from ..servers.processes import Worker
 
 DIR_PREFIX = "eagle3data-capture-"
 _SHM = Path("/dev/shm")

@@ -34,8 +34,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..generation.records import turn_token_ids
 from ..shards import open_shard
+from ..turn_ids import turn_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -50,11 +50,11 @@ import torch
 
 from .. import model_config
 from ..errors import SGLangCaptureError
+from ..servers.processes import EngineWatch, descendants, process_keys, shm_files
+from ..servers.reaper import Reaper
 from ..target import check_remote_code
 from ..torch_utils import TORCH_DTYPES
 from . import handoff
-from .engine_processes import EngineWatch, descendants, process_keys, shm_files
-from .engine_reaper import Reaper
 from .engine_target import read_engine_target
 from .final_state import PRE_NORM
 from .layers import AuxLayers
@@ -649,7 +649,7 @@ class SGLangCapture:
 
     def close(self, *, summary: bool = True) -> None:
         """Stop the engine and remove what it leaves: its processes, its shared memory and
-        the hand-off directory (:mod:`.engine_reaper`); log which ranks wrote the rows.
+        the hand-off directory (:mod:`eagle3data.servers.reaper`); log which ranks wrote the rows.
         Safe to call more than once."""
         engine, self.engine = self.engine, None
         if engine is not None:

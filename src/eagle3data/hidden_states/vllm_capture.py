@@ -47,14 +47,20 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from .. import model_config
 from ..errors import VLLMCaptureError
-from ..generation.engines import TransientError
-from ..generation.engines.openai_engine import RETRY_STATUS, error_message, json_or_none
+from ..servers.http import (
+    RETRY_STATUS,
+    TransientError,
+    context_length,
+    error_message,
+    json_or_none,
+    model_entries,
+)
+from ..servers.vllm_files import discard_states, read_states
 from ..target import check_remote_code
 from ..torch_utils import TORCH_DTYPES
 from .engine_target import read_engine_target
 from .final_state import POST_NORM, PRE_NORM, load_final_norm
 from .layers import AuxLayers, resolve_aux_layers
-from .vllm_files import discard_states, read_states
 
 if TYPE_CHECKING:
     import torch
@@ -279,15 +285,13 @@ class VLLMCapture:
             ) from None
         if status != 200:
             raise VLLMCaptureError(f"GET {url} -> {_error_text(status, text)}")
-        payload = json_or_none(text)
-        entries = payload.get("data") if isinstance(payload, dict) else None
-        if not isinstance(entries, list):
+        models = model_entries(json_or_none(text))
+        if models is None:
             raise VLLMCaptureError(
                 f"GET {url} answered HTTP 200 with a body that is not a model list "
                 f"({text[:120]!r}): is hidden_states.vllm.url the server's OpenAI base URL "
                 f"(ending in /v1)?"
             )
-        models = [m for m in entries if isinstance(m, dict)]
         wanted = self.options["model"]
         if wanted is None and len(models) == 1:
             chosen = models[0]
@@ -301,7 +305,7 @@ class VLLMCapture:
                     if wanted is None
                     else f"{self.url} serves {names}, not hidden_states.vllm.model {wanted!r}"
                 )
-        return str(chosen["id"]), chosen.get("max_model_len")
+        return str(chosen["id"]), context_length(chosen)
 
     async def _version(self) -> str | None:
         """The server's vLLM version (``GET /version``, vLLM's own route); None if unsaid."""

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..chat import TokenizedConversation, tokenize_conversation, tokenize_text, turn_renders
-from ..generation.records import turn_token_ids
+from ..turn_ids import turn_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

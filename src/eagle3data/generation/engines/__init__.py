@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...errors import EngineUnavailable
+from ...servers.http import TransientError
 from .protocol import (
     CURRENT_REQUEST,
     OVER_CONTEXT,
@@ -31,7 +32,6 @@ from .protocol import (
     Message,
     RequestTrace,
     Tools,
-    TransientError,
     TurnFailure,
 )
 

@@ -47,7 +47,7 @@ waste (:attr:`TurnFailure.spent_tokens`).
 A vLLM capture server (``hidden_states.backend: vllm``) that also generates writes the
 hidden states of every generation request too, and names the file in
 ``kv_transfer_params.hidden_states_path``: where that path is on this machine, the file is
-deleted as soon as vLLM has written it (:mod:`eagle3data.hidden_states.vllm_files`).
+deleted as soon as vLLM has written it (:mod:`eagle3data.servers.vllm_files`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,16 @@ from tenacity import (
 )
 
 from ...errors import EngineUnavailable
-from ...hidden_states.vllm_files import discard_states
+from ...servers.http import (
+    RETRY_STATUS,
+    TransientError,
+    error_message,
+    json_or_none,
+    models_context,
+    models_entry,
+)
+from ...servers.queue import QueueGauge, ServerQueue, gauge_for
+from ...servers.vllm_files import discard_states
 from .endpoint_slots import SLOT_POLL_S, EndpointSlots, allow_open_files
 from .protocol import (
     CURRENT_REQUEST,
@@ -82,14 +91,11 @@ from .protocol import (
     Message,
     RequestTrace,
     Tools,
-    TransientError,
     TurnFailure,
 )
-from .server_queue import QueueGauge, ServerQueue, gauge_for
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 ABORT_TIMEOUT_S = 10.0  # for SGLang to take an abort and answer the aborted request
 QUEUE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)  # a queue gauge late by more is stale
 TOKEN_IDS_FIELD = "return_token_ids"
@@ -431,39 +437,6 @@ def failure_kind(message: str) -> str | None:
     return OVER_CONTEXT if _OVER_CONTEXT_MESSAGE.search(message) else None
 
 
-def models_entry(payload: Any, model: str) -> Mapping[str, Any]:
-    """``model``'s entry in a ``/models`` answer (its only entry when none has that id), or
-    an empty mapping."""
-    entries = payload.get("data") if isinstance(payload, dict) else None
-    if not isinstance(entries, list):
-        return {}
-    entries = [e for e in entries if isinstance(e, dict)]
-    named = [e for e in entries if e.get("id") == model]
-    chosen = named or (entries if len(entries) == 1 else [])
-    return chosen[0] if chosen else {}
-
-
-def models_context(payload: Any, model: str) -> int | None:
-    """``max_model_len`` of ``model``'s ``/models`` entry, or None when it reports none."""
-    value = models_entry(payload, model).get("max_model_len")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def error_message(payload: Any, text: str) -> str:
-    """The message of an error body: OpenAI's, vLLM's and llama.cpp's ``{"error": {"message":
-    ...}}``, SGLang's flat ``{"object": "error", "message": ...}``, SGLang's auth failures
-    ``{"error": "Unauthorized"}``, FastAPI's ``{"detail": ...}``; else the text itself."""
-    if isinstance(payload, dict):
-        err = payload.get("error", payload)
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        if isinstance(err, str) and err:
-            return err
-        if isinstance(payload.get("detail"), str):
-            return payload["detail"]
-    return text[:500]
-
-
 class OpenAIEngine:
     """Async engine: ``await complete(messages)`` gives the next assistant turn."""
 
@@ -533,7 +506,7 @@ class OpenAIEngine:
 
     async def server_queues(self) -> dict[str, ServerQueue]:
         """Each endpoint's queue as its own gauge says now (endpoints that report one and
-        answered in time; :mod:`.server_queue`), by endpoint URL."""
+        answered in time; :mod:`eagle3data.servers.queue`), by endpoint URL."""
         assert self._session is not None, "call start() first"
         self.gauge_readings += 1
         asking = [e for e in self.pool.endpoints if e.queue_gauge is not None]
@@ -852,7 +825,7 @@ class _InOrder:
     Why: a burst of requests opens new connections whose setup times vary, so without a
     turn they reach the server out of the order they were sent in. Servers run first come,
     first served, and the budget's prefix needs the earliest positions first; the queue
-    gauges (:func:`.server_queue.queued_positions`) also read a server's waiting requests
+    gauges (:func:`eagle3data.servers.queue.queued_positions`) also read a server's waiting requests
     as this client's newest. Holding a turn costs one write per request."""
 
     def __init__(self, lock: asyncio.Lock) -> None:
@@ -935,10 +908,3 @@ def _without_token_ids(body: Mapping[str, Any]) -> dict[str, Any]:
 def _calls_text(tool_calls: list[dict[str, Any]] | None) -> str:
     """The calls' names and arguments: what a usage-less count can see of the markup."""
     return "".join(c["function"]["name"] + c["function"]["arguments"] for c in tool_calls or [])
-
-
-def json_or_none(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None

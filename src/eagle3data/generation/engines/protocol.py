@@ -34,11 +34,6 @@ class Completion:
     completion_ids: list[int] | None = None
 
 
-class TransientError(Exception):
-    """A request failed in a way worth retrying later (connection, timeout, 5xx):
-    the prompt is not recorded and will be dispatched again."""
-
-
 # TurnFailure.kind of a prompt that does not fit the target's context: a server's 4xx
 # saying so, or an answer the server cut where the context ended (vLLM clamps max_tokens).
 OVER_CONTEXT = "over_context"

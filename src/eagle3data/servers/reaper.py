@@ -13,12 +13,12 @@ So every capture job starts this reaper first, outside its own process tree (SGL
 shutdown SIGKILLs the job's whole tree) and in its own session (a ``kill`` of the job's
 process group must not reach it). The job tells it, as JSON lines on its stdin, which
 processes the engine runs and which ``/dev/shm`` files those processes hold (seen in
-``/proc``, :mod:`.engine_processes`), so only the engine's own files are ever removed. When
+``/proc``, :mod:`.processes`), so only the engine's own files are ever removed. When
 the stdin closes (the job closed it after a normal shutdown, or the kernel did because
 the job died, even by ``kill -9``), it kills whatever engine process is left, removes the
 files and directories, writes one line to the job's log and answers ``done`` on stdout.
 
-Standard library only, run by path (``python engine_reaper.py``): it must start in
+Standard library only, run by path (``python reaper.py``): it must start in
 milliseconds and work where the package is not installed (Snakemake scripts put ``src``
 on ``sys.path`` themselves).
 """

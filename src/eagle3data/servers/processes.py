@@ -6,7 +6,7 @@ only learns that "a child failed" (a SIGQUIT); this module says which one and ho
 rank SGLang titled it with (``sglang::scheduler_TP1_EP1``) and its end (killed by a
 signal, an exit code, or ended after logging its traceback). It also lists the shared
 memory those processes hold in ``/dev/shm``, which SGLang leaves behind when its workers
-are killed (:mod:`.engine_reaper` removes it).
+are killed (:mod:`.reaper` removes it).
 
 Linux only (``/proc``), as SGLang is. Written by hand: psutil (an SGLang dependency, not
 ours) gives the tree, but not the exit status of a dead grandchild nor the mapped files
@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .engine_reaper import PROC, stat_fields
+from .reaper import PROC, stat_fields
 
 SHM = "/dev/shm/"
 

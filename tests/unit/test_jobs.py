@@ -53,11 +53,11 @@ def test_user_errors_keep_the_builtin_base_callers_expect(error) -> None:
 
 # Exceptions that never end a job: signals between the parts of one stage.
 INTERNAL = {
-    "eagle3data.generation.engines.TransientError",  # retried, then dispatched again
+    "eagle3data.servers.http.TransientError",  # retried, then dispatched again
     "eagle3data.prompts.shapes.Bad",  # becomes a PromptFormatError or a recorded skip
     "eagle3data.prompts.readers._CorruptStream",  # becomes a PromptFormatError naming the file
     # caught by the engine: the endpoint falls back to text (issue 32, point 6)
-    "eagle3data.generation.engines.openai_engine.UnknownTokenIds",
+    "eagle3data.servers.openai_chat.UnknownTokenIds",
     "eagle3data.driver_signals.StopSignal",  # SIGINT/SIGTERM: run_step ends with one line
     # The capture engine's own control flow, never out of it.
     "eagle3data.hidden_states.capture_service._ClientGone",

@@ -535,7 +535,7 @@ def _answer(payload: dict, engine: OpenAIEngine | None = None):
 
 
 def test_token_ids_are_asked_for_and_read_in_both_servers_shapes() -> None:
-    from eagle3data.generation.engines.openai_engine import request_body
+    from eagle3data.servers.openai_chat import request_body
 
     body = request_body(
         [{"role": "user", "content": "hi"}],

@@ -30,12 +30,8 @@ from eagle3data.chat import (
 )
 from eagle3data.generation.driver import GenerationJob, Prompt, run_generation
 from eagle3data.generation.engines import Completion, TurnFailure
-from eagle3data.generation.engines.openai_engine import (
-    HttpSettings,
-    OpenAIEngine,
-    parse_tool_calls,
-    request_body,
-)
+from eagle3data.generation.engines.openai_engine import HttpSettings, OpenAIEngine
+from eagle3data.servers.openai_chat import parse_tool_calls, request_body
 
 QWEN3_TOOLS_TEMPLATE = fx.QWEN3_TEMPLATE  # the published template, tool branches included
 

@@ -29,11 +29,11 @@ in ``message.reasoning_content``, vLLM in ``message.reasoning``; both become
 Token ids: every request asks for ``return_token_ids`` (``generation.return_token_ids``),
 and the ids SGLang and vLLM return, the prompt as the server rendered and tokenized it and
 the completion as generated, become :attr:`Completion.prompt_ids` and ``completion_ids``
-(:func:`token_ids_of`); a server that returns none leaves them None. An endpoint that
-refuses the field (a 4xx naming it) or returns ids in a shape we do not know is asked in
-text from then on, with one warning (:attr:`OpenAIEngine.notes`): the refused request is
-sent again without the field, the answer with odd ids is kept without them, and the
-tokenize stage re-renders turns without ids. Neither fails a prompt.
+(:func:`eagle3data.servers.openai_chat.token_ids_of`); a server that returns none leaves
+them None. An endpoint that refuses the field (a 4xx naming it) or returns ids in a shape we
+do not know is asked in text from then on, with one warning (:attr:`OpenAIEngine.notes`):
+the refused request is sent again without the field, the answer with odd ids is kept without
+them, and the tokenize stage re-renders turns without ids. Neither fails a prompt.
 
 The context: a prompt that does not fit the target's context is a permanent failure of
 kind :data:`OVER_CONTEXT`. SGLang answers it with a 400 (so do vLLM and llama.cpp for a
@@ -53,15 +53,11 @@ deleted as soon as vLLM has written it (:mod:`eagle3data.servers.vllm_files`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -81,9 +77,22 @@ from ...servers.http import (
     models_context,
     models_entry,
 )
-from ...servers.queue import QueueGauge, ServerQueue, gauge_for
+from ...servers.openai_chat import (
+    TOKEN_IDS_FIELD,
+    UnknownTokenIds,
+    aborted_decode,
+    parse_tool_calls,
+    reasoning_of,
+    refuses_token_ids,
+    request_body,
+    says_over_context,
+    server_root,
+    token_ids_of,
+    without_token_ids,
+)
+from ...servers.queue import ServerQueue, gauge_for
 from ...servers.vllm_files import discard_states
-from .endpoint_slots import SLOT_POLL_S, EndpointSlots, allow_open_files
+from .endpoint_pool import Endpoint, EndpointPool, Lease
 from .protocol import (
     CURRENT_REQUEST,
     OVER_CONTEXT,
@@ -98,11 +107,6 @@ log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 10.0  # for SGLang to take an abort and answer the aborted request
 QUEUE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)  # a queue gauge late by more is stale
-TOKEN_IDS_FIELD = "return_token_ids"
-# How servers say a request does not fit the context: SGLang "longer than the model's
-# context length" / "maximum context length", vLLM "maximum context length", llama.cpp
-# "the available context size".
-_OVER_CONTEXT_MESSAGE = re.compile(r"context (length|size|window)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -126,315 +130,9 @@ class HttpSettings:
     slot_dir: str | None = None
 
 
-@dataclass
-class _Endpoint:
-    url: str
-    in_flight: int = 0
-    consecutive_failures: int = 0
-    paused_until: float = 0.0
-    max_model_len: int | None = None  # its /models entry's, when it reports one
-    token_ids: bool = True  # False once it refused return_token_ids or sent odd ids
-    abortable: bool = False  # SGLang: requests carry a rid and are aborted by it
-    queue_gauge: QueueGauge | None = None  # where it reports its running and waiting requests
-    slots: EndpointSlots | None = None  # shared with the run's other jobs, when they are
-    # Held from a request's send until its body is written (:class:`_InOrder`).
-    send_order: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-@dataclass
-class Lease:
-    """Room for one request on one endpoint: a place in this engine's ``concurrency`` and,
-    where the endpoint's slots are shared, the slot it holds (:mod:`.endpoint_slots`)."""
-
-    endpoint: _Endpoint
-    slot: int | None = None
-
-
-class EndpointPool:
-    """Fewest-in-flight choice among endpoints that are not paused.
-
-    With ``slot_dir`` (:meth:`open_slots`), each endpoint's ``concurrency`` is shared with
-    the other jobs of the run: a request also needs one of its slots, which it holds until
-    its answer is read."""
-
-    def __init__(
-        self,
-        urls: Sequence[str],
-        concurrency: int,
-        max_failures: int,
-        pause_s: float,
-        slot_dir: str | None = None,
-    ):
-        self.endpoints = [_Endpoint(u.rstrip("/")) for u in urls]
-        self.concurrency = concurrency
-        self.max_failures = max_failures
-        self.pause_s = pause_s
-        self.slot_dir = slot_dir
-        self._changed = asyncio.Condition()
-        self._waiting = 0  # requests waiting in acquire()
-        self._unsent = 0  # what the last take() could not give
-
-    @property
-    def capacity(self) -> int:
-        return self.concurrency * len(self.endpoints)
-
-    @property
-    def shared(self) -> bool:
-        """Whether the endpoints' slots are shared with the run's other jobs."""
-        return self.slot_dir is not None
-
-    def open_slots(self) -> None:
-        """Join each endpoint's shared slots (nothing without ``slot_dir``)."""
-        if self.slot_dir is None:
-            return
-        allow_open_files(self.capacity)
-        for endpoint in self.endpoints:
-            endpoint.slots = EndpointSlots(Path(self.slot_dir), endpoint.url, self.concurrency)
-            log.info(
-                "%s: its %d requests in flight are shared with the run's other generate jobs "
-                "(slots in %s)",
-                endpoint.url,
-                self.concurrency,
-                endpoint.slots.directory,
-            )
-
-    def close_slots(self) -> None:
-        for endpoint in self.endpoints:
-            if endpoint.slots is not None:
-                endpoint.slots.close()
-                endpoint.slots = None
-
-    def _available(self) -> list[_Endpoint]:
-        now = time.monotonic()
-        return [
-            e for e in self.endpoints if e.paused_until <= now and e.in_flight < self.concurrency
-        ]
-
-    def _lease_now(self) -> Lease | None:
-        """Room for a request now on the least busy endpoint that has some, or None."""
-        for endpoint in sorted(self._available(), key=lambda e: e.in_flight):
-            slot = None
-            if endpoint.slots is not None:
-                slot = endpoint.slots.take()
-                if slot is None:
-                    continue
-            endpoint.in_flight += 1
-            return Lease(endpoint, slot)
-        return None
-
-    def _say_wanted(self) -> None:
-        """Tell the other jobs whether requests of ours wait for a slot."""
-        waiting = self._waiting + self._unsent > 0
-        for endpoint in self.endpoints:
-            if endpoint.slots is not None:
-                endpoint.slots.want(waiting)
-
-    def take(self, n: int) -> list[Lease]:
-        """Room for up to ``n`` requests now, without waiting (the driver sends that many
-        new conversations); what it could not give counts as wanted until the next call."""
-        leases = []
-        while len(leases) < n and (lease := self._lease_now()) is not None:
-            leases.append(lease)
-        self._unsent = n - len(leases)
-        self._say_wanted()
-        return leases
-
-    async def acquire(self) -> Lease:
-        async with self._changed:
-            self._waiting += 1
-            try:
-                while True:
-                    lease = self._lease_now()
-                    if lease is not None:
-                        return lease
-                    self._say_wanted()
-                    # Wake on a release, when the earliest pause ends, or (shared slots,
-                    # freed by other processes) at the next look.
-                    now = time.monotonic()
-                    pauses = [e.paused_until - now for e in self.endpoints if e.paused_until > now]
-                    if self.shared:
-                        pauses.append(SLOT_POLL_S)
-                    timeout = max(min(pauses), 0.01) if pauses else None
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), timeout)
-            finally:
-                self._waiting -= 1
-                self._say_wanted()
-
-    def give_back(self, lease: Lease) -> None:
-        """Free room no request used (a conversation cancelled before it sent anything).
-        Only leases of :meth:`take` come back this way: where they exist, requests waiting
-        in :meth:`acquire` look again at the next poll."""
-        endpoint = lease.endpoint
-        endpoint.in_flight -= 1
-        if lease.slot is not None and endpoint.slots is not None:
-            endpoint.slots.give(lease.slot)
-            self._say_wanted()
-
-    async def release(self, lease: Lease, *, healthy: bool | None) -> None:
-        """``healthy`` None: the request ended without telling anything about the server."""
-        async with self._changed:
-            endpoint = lease.endpoint
-            self.give_back(lease)
-            if healthy:
-                endpoint.consecutive_failures = 0
-            elif healthy is False:
-                endpoint.consecutive_failures += 1
-                if endpoint.consecutive_failures >= self.max_failures:
-                    endpoint.paused_until = time.monotonic() + self.pause_s
-                    endpoint.consecutive_failures = 0
-                    log.warning(
-                        "endpoint %s failed %d times in a row: paused for %.0fs",
-                        endpoint.url,
-                        self.max_failures,
-                        self.pause_s,
-                    )
-            self._changed.notify_all()
-
-
-def request_body(
-    messages: Sequence[Message],
-    *,
-    model: str,
-    sampling: Mapping[str, Any],
-    seed: int,
-    chat_template_kwargs: Mapping[str, Any],
-    extra_body: Mapping[str, Any],
-    tools: Tools | None = None,
-    return_token_ids: bool = False,
-) -> dict[str, Any]:
-    """The /chat/completions body: OpenAI fields plus the SGLang/vLLM extensions."""
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": [_wire_message(m) for m in messages],
-        "max_tokens": sampling["max_tokens"],
-        "temperature": sampling["temperature"],
-        "top_p": sampling["top_p"],
-        "seed": seed,
-        "stream": False,
-    }
-    if sampling["top_k"] != -1:
-        body["top_k"] = sampling["top_k"]
-    if sampling["repetition_penalty"] != 1.0:
-        body["repetition_penalty"] = sampling["repetition_penalty"]
-    if sampling["stop"]:
-        body["stop"] = list(sampling["stop"])
-    if chat_template_kwargs:
-        body["chat_template_kwargs"] = dict(chat_template_kwargs)
-    if tools:  # absent otherwise: plain requests stay exactly as they were
-        body["tools"] = list(tools)
-    if return_token_ids:  # SGLang and vLLM; see OpenAIEngine for servers that refuse it
-        body[TOKEN_IDS_FIELD] = True
-    body.update(extra_body)
-    return body
-
-
-# What a history message carries to the server. Servers render history themselves;
-# reasoning of earlier turns is sent back as reasoning_content, which templates such as
-# Qwen3's and Kimi's read. An assistant turn that only calls tools keeps content "": SGLang
-# and vLLM render a null content as "" anyway, and tokenize renders "" (chat.render).
-_WIRE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name")
-
-
-def _wire_message(message: Message) -> dict[str, Any]:
-    return {k: v for k, v in message.items() if k in _WIRE_KEYS}
-
-
-def parse_tool_calls(raw: Any) -> list[dict[str, Any]] | None:
-    """``message.tool_calls`` of a response in the normalised wire form (``index`` and
-    other extras dropped, ``arguments`` a JSON string); None when there are none.
-
-    Raises ValueError on a shape that is not a list of function calls."""
-    if not raw:
-        return None
-    if not isinstance(raw, list):
-        raise ValueError(f"tool_calls is {type(raw).__name__}, expected a list")
-    calls = []
-    for call in raw:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ValueError(f"tool call without a function name: {call!r}")
-        arguments = function.get("arguments")
-        if arguments is None:
-            arguments = "{}"  # a call without arguments
-        elif not isinstance(arguments, str):  # a server that sends the object itself
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        calls.append(
-            {
-                "id": str(call.get("id") or ""),
-                "type": "function",
-                "function": {"name": function["name"], "arguments": arguments},
-            }
-        )
-    return calls
-
-
-def reasoning_of(message: Mapping[str, Any]) -> str | None:
-    """A response message's parsed reasoning: SGLang's ``reasoning_content``, vLLM's
-    ``reasoning`` (vLLM 0.32 sends no ``reasoning_content``); None when there is none."""
-    for key in ("reasoning_content", "reasoning"):
-        value = message.get(key)
-        if value:
-            if not isinstance(value, str):
-                raise ValueError(f"message.{key} is {type(value).__name__}, expected a string")
-            return value
-    return None
-
-
-class UnknownTokenIds(ValueError):
-    """Token ids in a shape we do not know: the answer is good, its ids are not usable."""
-
-
-def token_ids_of(
-    payload: Mapping[str, Any], choice: Mapping[str, Any]
-) -> tuple[list[int], list[int]] | None:
-    """The (prompt, completion) token ids a server returned for ``return_token_ids``, or
-    None when it returned none (a server that ignores the field).
-
-    SGLang 0.5.23: ``choice.prompt_token_ids`` and ``choice.response_token_ids``; vLLM
-    0.32: top-level ``prompt_token_ids`` and ``choice.token_ids`` (tests/data/sglang/,
-    tests/data/vllm/). Raises UnknownTokenIds on ids that are not lists of integers, or
-    on one of the two without the other."""
-    prompt = choice.get("prompt_token_ids", payload.get("prompt_token_ids"))
-    completion = choice.get("response_token_ids", choice.get("token_ids"))
-    if prompt is None and completion is None:
-        return None
-    if prompt is None or completion is None:
-        missing = "prompt" if prompt is None else "completion"
-        raise UnknownTokenIds(f"the response has token ids without the {missing}'s")
-    return _int_list("prompt_token_ids", prompt), _int_list("completion token_ids", completion)
-
-
-def _int_list(name: str, value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) for i in value
-    ):
-        raise UnknownTokenIds(f"{name} is not a list of integers")
-    return value
-
-
-# A refusal of the field itself: the field named next to words that refuse an argument.
-# Naming it alone is not enough: vLLM's 400 for an unrelated validation error echoes the
-# whole request (``'input': {..., 'return_token_ids': True, ...}``).
-_REFUSAL = r"(unrecogni[sz]ed|unknown|unexpected|extra|not permitted|not allowed|unsupported)"
-_REFUSES_IDS = re.compile(
-    rf"{_REFUSAL}[^.]{{0,80}}{TOKEN_IDS_FIELD}|{TOKEN_IDS_FIELD}[^.]{{0,80}}{_REFUSAL}",
-    re.IGNORECASE,
-)
-
-
-def refuses_token_ids(body: Mapping[str, Any], status: int, message: str) -> bool:
-    """Whether a 4xx answer refused ``return_token_ids`` itself: the request carried it
-    and the error refuses it by name (OpenAI's "Unrecognized request argument supplied:
-    return_token_ids", a strict server's "extra inputs are not permitted" at the field)."""
-    return (
-        TOKEN_IDS_FIELD in body and 400 <= status < 500 and _REFUSES_IDS.search(message) is not None
-    )
-
-
 def failure_kind(message: str) -> str | None:
     """OVER_CONTEXT for a server's error that says the request does not fit its context."""
-    return OVER_CONTEXT if _OVER_CONTEXT_MESSAGE.search(message) else None
+    return OVER_CONTEXT if says_over_context(message) else None
 
 
 class OpenAIEngine:
@@ -513,9 +211,9 @@ class OpenAIEngine:
         answers = await asyncio.gather(*(self._server_queue(e) for e in asking))
         return {e.url: q for e, q in zip(asking, answers, strict=True) if q is not None}
 
-    async def _server_queue(self, endpoint: _Endpoint) -> ServerQueue | None:
+    async def _server_queue(self, endpoint: Endpoint) -> ServerQueue | None:
         assert self._session is not None and endpoint.queue_gauge is not None
-        url = _server_root(endpoint.url) + endpoint.queue_gauge.route
+        url = server_root(endpoint.url) + endpoint.queue_gauge.route
         try:
             async with self._session.get(url, timeout=QUEUE_TIMEOUT) as resp:
                 text = await resp.text()
@@ -535,7 +233,7 @@ class OpenAIEngine:
             endpoint.queue_gauge = None
         return queue
 
-    def _fall_back_to_text(self, endpoint: _Endpoint, why: str) -> None:
+    def _fall_back_to_text(self, endpoint: Endpoint, why: str) -> None:
         """Ask ``endpoint`` without ``return_token_ids`` from now on; warn once."""
         if not endpoint.token_ids:
             return
@@ -549,7 +247,7 @@ class OpenAIEngine:
             why,
         )
 
-    async def _discard_captured_states(self, payload: Any, endpoint: _Endpoint) -> None:
+    async def _discard_captured_states(self, payload: Any, endpoint: Endpoint) -> None:
         """Delete the hidden states a vLLM capture server wrote for a generation request
         (57 KB a token at Kimi-K2.5's width): one left behind is counted, and warned of
         once per endpoint and cause, never silently."""
@@ -670,7 +368,7 @@ class OpenAIEngine:
         try:
             url = f"{endpoint.url}/chat/completions"
             while True:  # twice at most: again in text when the endpoint refused the ids
-                sent = body if endpoint.token_ids else _without_token_ids(body)
+                sent = body if endpoint.token_ids else without_token_ids(body)
                 if endpoint.abortable:
                     sent = {**sent, "rid": f"eagle3data-{uuid.uuid4().hex}"}
                 if trace is not None:
@@ -698,7 +396,7 @@ class OpenAIEngine:
             await self.pool.release(lease, healthy=healthy)
 
     async def _send_cancellable(
-        self, endpoint: _Endpoint, url: str, body: Mapping[str, Any], trace: RequestTrace | None
+        self, endpoint: Endpoint, url: str, body: Mapping[str, Any], trace: RequestTrace | None
     ) -> tuple[int, str]:
         """:meth:`_send`, cancelled the way the server frees the request soonest.
 
@@ -749,7 +447,7 @@ class OpenAIEngine:
                 order.give_up()
 
     async def _abort(
-        self, endpoint: _Endpoint, rid: str, sending: asyncio.Future[tuple[int, str]]
+        self, endpoint: Endpoint, rid: str, sending: asyncio.Future[tuple[int, str]]
     ) -> int | None:
         """Abort ``rid`` on SGLang and read what its answer says it decoded; None when the
         server did not say (the abort or the answer failed, or took too long)."""
@@ -757,7 +455,7 @@ class OpenAIEngine:
         timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
         try:
             async with self._session.post(
-                f"{_server_root(endpoint.url)}/abort_request", json={"rid": rid}, timeout=timeout
+                f"{server_root(endpoint.url)}/abort_request", json={"rid": rid}, timeout=timeout
             ) as resp:
                 await resp.read()
                 if resp.status != 200:
@@ -771,7 +469,7 @@ class OpenAIEngine:
             return None
         return aborted_decode(status, json_or_none(text))
 
-    def _completion(self, payload: dict[str, Any], endpoint: _Endpoint) -> Completion | TurnFailure:
+    def _completion(self, payload: dict[str, Any], endpoint: Endpoint) -> Completion | TurnFailure:
         url = f"{endpoint.url}/chat/completions"
         try:
             choice = payload["choices"][0]
@@ -881,28 +579,6 @@ def cut_by_context(completion: Completion, context: int | None, max_tokens: int)
         f"{completion.completion_tokens} of max_tokens {max_tokens} in the server's "
         f"max_model_len {context} (it cut the answer there)"
     )
-
-
-def aborted_decode(status: int, payload: Any) -> int | None:
-    """What an aborted request's answer says it decoded: SGLang answers a request aborted
-    by its rid with ``finish_reason: "abort"`` and its usage so far (one that finished first
-    answers as usual, its usage all the same). None when the answer says nothing."""
-    if status != 200 or not isinstance(payload, dict):
-        return None
-    usage = payload.get("usage")
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
-        return tokens
-    return None
-
-
-def _server_root(url: str) -> str:
-    """``http://host:port`` of an OpenAI base URL (``.../v1``): where SGLang's own routes are."""
-    return url.removesuffix("/v1")
-
-
-def _without_token_ids(body: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in body.items() if k != TOKEN_IDS_FIELD}
 
 
 def _calls_text(tool_calls: list[dict[str, Any]] | None) -> str:

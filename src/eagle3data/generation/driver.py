@@ -20,7 +20,7 @@ the source's system, user and tool turns in order; a conversation's ``tools`` go
 every request. Tools are never executed: the source's tool results stay as given, even
 where a regenerated turn calls other tools (or none) than the source's did, so what the
 target is shown stays a function of the source alone. Only their ``tool_call_id`` follows
-the regenerated calls, when there are as many calls as results (``_answering``): a
+the regenerated calls, when there are as many calls as results (``answering``): a
 regenerated call's id is new, templates such as Kimi-K2.5's render both ids, and some
 servers refuse a result that answers no call of the turn before (OpenAI's API; SGLang
 0.5.23 for MiniMax-M3 only). With another number of calls the results stay as given; such
@@ -31,25 +31,21 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import hashlib
 import logging
 import math
 import signal
 import statistics
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..atomic import write_jsonl
 from ..driver_signals import signal_name, stop_deferred
 from ..errors import GenerationAborted, JournalCorruptError
 from ..servers.queue import SentRequest, ServerQueue, queued_positions
-from ..turn_ids import compact_token_ids
 from .budget import (
     LengthFit,
     LengthModel,
@@ -60,68 +56,46 @@ from .budget import (
     plan_dispatch_tail,
     select_prefix,
 )
+from .conversation import Conversation, regenerate
 from .engines import (
     CURRENT_REQUEST,
     OVER_CONTEXT,
     AsyncEngine,
-    Completion,
     Engine,
     RequestTrace,
-    Tools,
     TransientError,
-    TurnFailure,
 )
 from .engines.endpoint_slots import SLOT_POLL_S
+from .job import GenerationJob, GenerationResult, Prompt
 from .journal import JournalWriter, read_journal
 from .records import (
     RECORD_STATUSES,
     AbandonedRecord,
     JournalRecord,
-    Turn,
     abandoned_record,
     counted_tokens,
-    failed_record,
     is_failed,
     is_outcome,
-    ok_record,
     spent_tokens,
 )
+from .result import assemble, estimated_tokens, write_outputs
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Prompt:
-    id: str
-    prompt_hash: str
-    messages: list[dict[str, Any]]  # normalised (prompts stage): system/user/assistant/tool
-    tools: Tools | None = None  # OpenAI tool specs offered to the target, if any
-
-
-@dataclass
-class GenerationJob:
-    dataset: str
-    prompts: Sequence[Prompt]  # in the seeded order
-    journal: Path
-    model: str
-    sampling: Mapping[str, Any]
-    seed: int = 0
-    token_budget: int | None = None
-    max_samples: int | None = None
-    batch_size: int = 8
-    progress_interval_s: float = 10.0
-
-
-@dataclass
-class GenerationResult:
-    rows: list[dict[str, Any]]
-    stats: dict[str, Any]
-    selection: Selection
-    generated_now: int = 0  # prompts sent to the engine by this run
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    # Every record of the current prompts (used by the output or not): the outcomes in
-    # journal order, then the abandoned records.
-    records: list[JournalRecord] = field(default_factory=list)
+# The stage's API (what the stage function, tests and benchmarks import from here); the
+# job's data, a conversation's turns and the outputs live in job.py, conversation.py and
+# result.py.
+__all__ = [
+    "ErrorLimits",
+    "GenerationJob",
+    "GenerationResult",
+    "Prompt",
+    "load_journal",
+    "regenerate",
+    "run_generation",
+    "stopped_message",
+    "write_outputs",
+]
 
 
 def _outcome(record: Mapping[str, Any]) -> Outcome:
@@ -153,151 +127,6 @@ def load_journal(job: GenerationJob) -> tuple[dict[str, JournalRecord], list[Aba
         elif pid not in records:
             records[pid] = rec
     return records, abandoned
-
-
-def _batch_seed(seed: int, first_id: str, turn: int) -> int:
-    digest = hashlib.sha256(f"{seed}\x00{first_id}\x00{turn}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
-
-
-class Conversation:
-    """One prompt being regenerated: source assistant turns are dropped and, at each
-    point where the source had one (after each user turn and after each run of tool
-    turns), the engine answers on the regenerated history."""
-
-    def __init__(self, prompt: Prompt) -> None:
-        self.prompt = prompt
-        self.tools = prompt.tools or None
-        self.history: list[dict[str, Any]] = []
-        self.segments = _segments(prompt.messages)
-        self.opened = 0  # segments appended to the history so far
-        self.turns: list[Turn] = []
-        self.failure: str | None = None
-        self.failure_kind: str | None = None
-        self.failure_spent = 0  # tokens the failed turn cost (an answer not kept)
-        self._ids_so_far: list[int] = []  # the last turn's prompt then completion ids
-
-    def next_request(self) -> list[dict[str, Any]] | None:
-        """The history up to the next regeneration point, or None when finished."""
-        k = len(self.turns)
-        if self.failure is not None or k >= len(self.segments):
-            return None
-        if self.opened == k:  # idempotent: the batch loop asks twice per round
-            segment = self.segments[k]
-            if k and self.history and self.history[-1]["role"] == "assistant":
-                segment = _answering(self.history[-1], segment)
-            self.history.extend(segment)
-            self.opened += 1
-        return self.history
-
-    def add(self, result: Completion | TurnFailure) -> None:
-        if isinstance(result, TurnFailure):
-            self.failure = f"turn {len(self.turns) + 1}: {result.reason}"
-            self.failure_kind, self.failure_spent = result.kind, result.spent_tokens
-            return
-        message: dict[str, Any] = {"role": "assistant", "content": result.content}
-        if result.reasoning_content:
-            message["reasoning_content"] = result.reasoning_content
-        if result.tool_calls:
-            message["tool_calls"] = [dict(call) for call in result.tool_calls]
-        self.history.append(message)
-        turn: Turn = {
-            "finish_reason": result.finish_reason,
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-        }
-        if result.usage_source == "tokenizer":
-            turn["usage_source"] = "tokenizer"  # the server reported no usage
-        if result.prompt_ids is None or result.completion_ids is None:
-            turn["token_ids"] = None
-            self._ids_so_far = []
-        else:
-            turn["token_ids"] = compact_token_ids(
-                self._ids_so_far, result.prompt_ids, result.completion_ids
-            )
-            self._ids_so_far = [*result.prompt_ids, *result.completion_ids]
-        self.turns.append(turn)
-
-    def record(self) -> JournalRecord:
-        p = self.prompt
-        if self.failure is not None:
-            spent = sum(t["completion_tokens"] for t in self.turns) + self.failure_spent
-            return failed_record(p.id, p.prompt_hash, self.failure, spent, self.failure_kind)
-        return ok_record(p.id, p.prompt_hash, self.history, self.turns, tools=self.tools)
-
-    def tools_kwargs(self) -> dict[str, Any]:
-        """``tools=`` for the engine, only when there are tools: plain conversations
-        make exactly the calls they always made."""
-        return {} if self.tools is None else {"tools": self.tools}
-
-
-def _answering(assistant: Mapping[str, Any], segment: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``segment`` with its leading tool results linked to the regenerated calls before it.
-
-    A source's tool result names the source's call in ``tool_call_id``, and a regenerated
-    turn's calls have ids of their own (SGLang's are random ``call_<hex>`` for most
-    parsers, ``functions.<name>:<n>`` for Kimi's). The target should see its results answer
-    its own calls: Kimi-K2.5's template renders the call's id and ``## Return of <id>``,
-    and servers that check the link refuse a result that answers no call of the turn
-    before (OpenAI's API; SGLang 0.5.23 for MiniMax-M3: 400 "tool_call_id ... does not
-    match an unanswered tool call"). So where the regenerated turn made as many calls as
-    the source has results, result ``j`` takes the id of call ``j``; its content and name
-    stay as given. Otherwise (other counts, no calls) the results stay as they are.
-    """
-    calls = assistant.get("tool_calls") or []
-    n = 0
-    while n < len(segment) and segment[n]["role"] == "tool":
-        n += 1
-    if not calls or n != len(calls):
-        return segment
-    linked = [
-        {**result, "tool_call_id": call["id"]} if call.get("id") else result
-        for result, call in zip(segment[:n], calls, strict=True)
-    ]
-    return linked + segment[n:]
-
-
-def _segments(messages: Sequence[Mapping[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The source's non-assistant turns, cut at each regeneration point: segment k is
-    what is appended to the history before the k-th regenerated assistant turn.
-
-    A point follows every user turn and the last tool turn of each run; a leading
-    system turn opens the first segment; source assistant turns are dropped.
-    """
-    segments: list[list[dict[str, Any]]] = []
-    current: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        role = message["role"]
-        if role == "assistant" or (role == "system" and i > 0):
-            continue
-        # Unset keys would reach the server and the template as nulls.
-        current.append({k: v for k, v in message.items() if v is not None})
-        following = messages[i + 1]["role"] if i + 1 < len(messages) else None
-        if role == "user" or (role == "tool" and following != "tool"):
-            segments.append(current)
-            current = []
-    return segments
-
-
-def regenerate(engine: Engine, prompts: Sequence[Prompt], seed: int) -> list[JournalRecord]:
-    """Regenerate a batch with an in-process engine, one round per turn index.
-
-    A conversation fails as a whole if one of its turns fails.
-    """
-    convs = [Conversation(p) for p in prompts]
-    turn = 0
-    while True:
-        active = [c for c in convs if c.next_request() is not None]
-        if not active:
-            break
-        requests = [c.next_request() or [] for c in active]
-        tools = [c.tools for c in active]
-        kwargs = {"tools": tools} if any(t is not None for t in tools) else {}
-        results = engine.complete(requests, seed=_batch_seed(seed, prompts[0].id, turn), **kwargs)
-        for conv, res in zip(active, results, strict=True):
-            conv.add(res)
-        turn += 1
-    return [c.record() for c in convs]
 
 
 class _Progress:
@@ -703,7 +532,7 @@ def run_generation(
             except KeyboardInterrupt as stop:  # SIGINT, or SIGTERM (driver_signals)
                 raise GenerationAborted(stopped_message(run, signal_name(stop))) from None
     run.progress.update(run.sel, run.records, force=True, abandoned_tokens=run.abandoned_tokens)
-    return _assemble(
+    return assemble(
         job,
         run.order,
         run.records,
@@ -752,11 +581,6 @@ def _unused_slot_back(engine: Any, flight: _InFlight) -> None:
     if flight.trace.slot is not None:
         slot, flight.trace.slot = flight.trace.slot, None
         engine.return_slot(slot)
-
-
-def _estimated_tokens(abandoned: Iterable[AbandonedRecord]) -> int:
-    """The part of abandoned records' decode that no server reported."""
-    return sum(r["completion_tokens_spent"] for r in abandoned if r["spent_source"] == "estimate")
 
 
 def _abandoned(
@@ -840,7 +664,7 @@ async def _cancel(
         len(cancelled),
         "waiting in the server's queue" if queued else "in flight",
         sum(spent_tokens(r) for r in abandoned),
-        _estimated_tokens(abandoned),
+        estimated_tokens(abandoned),
         len(finished),
     )
     if broken:
@@ -1063,122 +887,3 @@ def stopped_message(run: _Run, by: str) -> str:
         f"in this run are kept ({len(run.records)} in {run.job.journal}); run the same command "
         "to resume"
     )
-
-
-def _assemble(
-    job: GenerationJob,
-    order: list[str],
-    records: Mapping[str, JournalRecord],
-    sel: Selection,
-    resumed: int,
-    generated_now: int,
-    engine_notes: Mapping[str, int] | None = None,
-    abandoned: Sequence[AbandonedRecord] = (),
-) -> GenerationResult:
-    sampling = {**job.sampling, "seed": job.seed}
-    rows = []
-    for pos in sel.selected:
-        rec = records[order[pos]]
-        row = {
-            "id": rec["id"],
-            "dataset": job.dataset,
-            "index": pos,
-            "messages": rec["messages"],
-            "finish_reason": rec["finish_reason"],
-            "usage": rec["usage"],
-            "turns": rec["turns"],
-            "model": job.model,
-            "sampling": sampling,
-        }
-        if "tools" in rec:  # tool-calling conversations only: plain rows are unchanged
-            row["tools"] = rec["tools"]
-        rows.append(row)
-    failures = [_failure_row(order[pos], pos, records[order[pos]]) for pos in sel.failed]
-    abandoned_tokens = sum(spent_tokens(r) for r in abandoned)
-    generated_tokens = sum(spent_tokens(r) for r in records.values()) + abandoned_tokens
-    truncated = sum(1 for r in rows if any(t["finish_reason"] == "length" for t in r["turns"]))
-    ids = _token_id_counts(job.dataset, rows)
-    stats = {
-        "dataset": job.dataset,
-        "prompts": len(order),
-        "in_output": len(rows),
-        "failed": len(failures),
-        "beyond_limits": len(order) - sel.frontier,
-        "stop_reason": sel.stop_reason,
-        "token_budget": job.token_budget,
-        "max_samples": job.max_samples,
-        "completion_tokens": sel.tokens,
-        "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in rows),
-        "truncated": truncated,
-        "generated_tokens_total": generated_tokens,
-        "waste_tokens": generated_tokens - sel.tokens,
-        # Conversations cancelled in flight (budget reached, or a stop): what the engine
-        # decoded for them, in waste_tokens; the part no server reported is estimated.
-        "abandoned_requests": len(abandoned),
-        "abandoned_tokens": abandoned_tokens,
-        "abandoned_tokens_estimated": _estimated_tokens(abandoned),
-        "records_resumed": resumed,
-        "records_generated_now": generated_now,
-        # Failures that do not fit the context: a server's 4xx, or an answer it cut there.
-        "over_context": sum(1 for f in failures if f.get("kind") == OVER_CONTEXT),
-        # Endpoints of this run asked in text: they refused return_token_ids or sent ids
-        # in a shape we do not know (0 when nothing was generated now).
-        "token_ids_fallbacks": int((engine_notes or {}).get("token_ids_fallbacks", 0)),
-        # Files a capture server wrote for our requests that this job could not delete.
-        "capture_files_left": int((engine_notes or {}).get("capture_files_left", 0)),
-        **ids,
-        "sidecar": str(job.journal),
-        "failures": failures,
-    }
-    # The accounting invariant: every prompt is in exactly one bucket.
-    assert stats["in_output"] + stats["failed"] + stats["beyond_limits"] == stats["prompts"]
-    # The engine decoded the abandoned ones too: the report's throughput counts them.
-    every = [*records.values(), *abandoned]
-    return GenerationResult(rows, stats, sel, generated_now, failures, every)  # type: ignore[arg-type]
-
-
-def _failure_row(prompt_id: str, pos: int, record: Mapping[str, Any]) -> dict[str, Any]:
-    """A line of errors.jsonl: the prompt, its position, the error and its kind if known."""
-    row = {"id": prompt_id, "index": pos, "error": record["error"]}
-    if "kind" in record:
-        row["kind"] = record["kind"]
-    return row
-
-
-def _token_id_counts(dataset: str, rows: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    """How many assistant turns of the output kept the engine's token ids, and in how
-    many the ids' length differs from ``usage.completion_tokens`` (which the budget
-    counts): logged, since a server whose usage disagrees with its own ids counts the
-    budget in other units than the data."""
-    with_ids = without = mismatched = 0
-    example = ""
-    for row in rows:
-        for k, turn in enumerate(row["turns"]):
-            ids = turn.get("token_ids")
-            if ids is None:
-                without += 1
-                continue
-            with_ids += 1
-            if len(ids["completion"]) != turn["completion_tokens"]:
-                mismatched += 1
-                example = example or (
-                    f"{row['id']} turn {k + 1}: {len(ids['completion'])} ids, "
-                    f"usage.completion_tokens {turn['completion_tokens']}"
-                )
-    if mismatched:
-        log.warning(
-            "%s: %d turn(s) whose completion ids disagree with usage.completion_tokens "
-            "(the budget counts usage), e.g. %s",
-            dataset,
-            mismatched,
-            example,
-        )
-    return {
-        "turns_with_token_ids": with_ids,
-        "turns_without_token_ids": without,
-        "turns_usage_disagrees_with_ids": mismatched,
-    }
-
-
-def write_outputs(result: GenerationResult, responses: Path) -> None:
-    write_jsonl(responses, result.rows)

@@ -55,7 +55,7 @@ def test_user_errors_keep_the_builtin_base_callers_expect(error) -> None:
 INTERNAL = {
     "eagle3data.servers.http.TransientError",  # retried, then dispatched again
     "eagle3data.prompts.shapes.Bad",  # becomes a PromptFormatError or a recorded skip
-    "eagle3data.prompts.readers._CorruptStream",  # becomes a PromptFormatError naming the file
+    "eagle3data.prompts.file_format.CorruptStream",  # becomes a PromptFormatError naming the file
     # caught by the engine: the endpoint falls back to text (issue 32, point 6)
     "eagle3data.servers.openai_chat.UnknownTokenIds",
     "eagle3data.driver_signals.StopSignal",  # SIGINT/SIGTERM: run_step ends with one line

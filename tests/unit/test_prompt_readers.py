@@ -16,15 +16,10 @@ import pytest
 import zstandard
 
 from eagle3data.errors import PromptFormatError
-from eagle3data.prompts import readers
-from eagle3data.prompts.readers import (
-    Location,
-    RecordProblem,
-    SourceRecord,
-    detect_format,
-    iter_records,
-    source_files,
-)
+from eagle3data.prompts import file_format, readers
+from eagle3data.prompts.file_format import detect_format
+from eagle3data.prompts.readers import Location, RecordProblem, SourceRecord, iter_records
+from eagle3data.prompts.source_files import source_files
 
 RECORDS: list[dict[str, Any]] = [
     {
@@ -522,7 +517,7 @@ def test_permission_denied_message(tmp_path: Path, monkeypatch: Any) -> None:
     def denied(*args: Any, **kwargs: Any) -> Any:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(readers, "open", denied, raising=False)
+    monkeypatch.setattr(file_format, "open", denied, raising=False)
     with pytest.raises(PromptFormatError) as err:
         iter_records(path)
     assert str(err.value) == f"{path}: cannot read: permission denied"
@@ -577,7 +572,7 @@ def test_json_array_buffer_stays_bounded(tmp_path: Path) -> None:
     records = [{"id": i, "text": "word " * 40} for i in range(20_000)]
     path = tmp_path / "a.json"
     path.write_text(json.dumps(records))
-    f = readers._sniff(path)
+    f = file_format.sniff(path)
     reader = readers._ArrayReader(f, readers._JsonDecoder(), chunk_bytes=4096)
     assert sum(1 for _ in reader) == 20_000
     assert path.stat().st_size > 4_000_000

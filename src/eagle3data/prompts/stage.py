@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from ..atomic import atomic_open, atomic_path, dumps_line
 from ..errors import PromptFormatError
-from .readers import source_files
+from .source_files import source_files
 from .sources import Conversation, IngestStats, iter_conversations, order_key
 from .table import ARROW_SCHEMA, numbered, prompt_rows
 

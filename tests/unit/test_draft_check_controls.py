@@ -214,7 +214,7 @@ def test_the_check_builds_its_vocabulary_without_the_heldout_tokens(
     monkeypatch.setattr(dc, "train_draft", lambda *a, **k: [0.0])
     monkeypatch.setattr(dc, "evaluate_draft", fake_eval)
     # No speculators: the rows only need their tokens here.
-    monkeypatch.setattr(dc, "_speculators_row", lambda sample, weight: dict(vars(sample)))
+    monkeypatch.setattr(dc, "speculators_row", lambda sample, weight: dict(vars(sample)))
     monkeypatch.setattr(dc, "verifier_norm_weight", lambda model_dir, **k: torch.ones(H))
     everything = training_vocab(samples, size=16, target_vocab=64)
     summary = dc.run_draft_check(

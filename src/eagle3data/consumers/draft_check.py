@@ -53,29 +53,42 @@ is a pre-norm state the verifier norm maps back onto ``post`` exactly up to its 
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
-import math
-import re
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import DraftCheckError, ModelConfigError
+from ..errors import DraftCheckError
 from ..hidden_states.final_state import (
-    PRE_NORM,
     final_state_of,
-    plain_rms_norm_weight,
     prenorm_from_postnorm,
+)
+from .draft_data import (
+    Sample,
+    conversation_keys,
+    load_samples,
+    shift_states,
+    shuffle_aux_states,
+    speculators_row,
+    split_conversations,
+    training_vocab,
+)
+from .draft_model import (
+    DraftCheckSettings,
+    build_draft,
+    chain_metrics,
+    evaluate_draft,
+    summarize,
+    train_draft,
+    verifier_norm_weight,
 )
 
 log = logging.getLogger(__name__)
-
 __all__ = [
     "CONTROLS",
     "DraftCheckSettings",
@@ -92,445 +105,9 @@ __all__ = [
     "summarize",
     "training_vocab",
 ]
-
 VARIANTS = ("trained", "aux_shuffled", "shifted", "untrained")
 CONTROLS = ("aux_shuffled", "shifted", "untrained")
 METRICS = ("step1_agreement", "acceptance_length")
-
-
-@dataclass(frozen=True)
-class DraftCheckSettings:
-    """What one draft check trains and measures (``config/schema.yaml``, ``draft_check``)."""
-
-    seeds: tuple[int, ...] = (0, 1, 2)
-    epochs: int = 10
-    lr: float = 1e-3
-    batch_tokens: int = 512
-    num_layers: int = 1
-    ttt_steps: int = 3
-    heldout_fraction: float = 0.25
-    split_seed: int = 0
-    weight_decay: float = 0.0
-    fc_norm: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.seeds:
-            raise ValueError("draft_check.seeds: at least one seed")
-        if not 0.0 < self.heldout_fraction < 1.0:
-            raise ValueError(
-                f"draft_check.heldout_fraction must be in (0, 1), got {self.heldout_fraction}"
-            )
-        for name in ("epochs", "batch_tokens", "num_layers", "ttt_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"draft_check.{name} must be >= 1, got {getattr(self, name)}")
-
-    @classmethod
-    def from_config(cls, section: dict[str, Any]) -> DraftCheckSettings:
-        known = {k: v for k, v in section.items() if k in cls.__dataclass_fields__}
-        if "seeds" in known:
-            known["seeds"] = tuple(int(s) for s in known["seeds"])
-        return cls(**known)
-
-
-@dataclass
-class Sample:
-    """One conversation: token ids, loss mask, aux states [L, 3H], final state [L, H]
-    (pre-norm when ``pre_norm``, else post-norm)."""
-
-    id: str
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    aux_hidden_states: torch.Tensor
-    last_hidden_states: torch.Tensor
-    pre_norm: bool = False
-
-
-# --------------------------------------------------------------------------- data
-
-
-def load_samples(shard_dirs: Sequence[str | Path]) -> list[Sample]:
-    """Every conversation of the shard directories, states in float32, all in memory (the
-    stage function first refuses shards over its bound: :func:`check_memory`)."""
-    from eagle3data.loader import HiddenStateDataset
-
-    dataset = HiddenStateDataset([str(d) for d in shard_dirs])
-    try:
-        out = []
-        for i in range(len(dataset)):
-            item = dataset[i]
-            out.append(
-                Sample(
-                    id=f"{item['dataset']}/{item['id']}",
-                    input_ids=item["input_ids"],
-                    loss_mask=item["loss_mask"],
-                    aux_hidden_states=item["aux_hidden_states"].float(),
-                    last_hidden_states=item["last_hidden_states"].float(),
-                    pre_norm=dataset.final_state == PRE_NORM,
-                )
-            )
-        return out
-    finally:
-        dataset.close()
-
-
-_TURN_SUFFIX = re.compile(r"#\d+$")
-
-
-def conversation_keys(samples: Sequence[Sample]) -> list[str]:
-    """Per sample, the key the held-out split draws by: a hash of its conversation's first
-    prompt as the target read it.
-
-    The prompts table's ``prompt_hash`` is not in the shards, so the key is derived from what
-    is: a conversation's samples are its whole sample or its per-turn samples ``{id}#{turn}``
-    (one dataset, one id), and the tokens before the first supervised token of its earliest
-    sample are the rendered first prompt (system, first user turn, assistant header). The same
-    prompt in two datasets renders to the same tokens, so it gets the same key; with greedy
-    decoding its answer is the same too.
-    """
-    groups: dict[str, list[int]] = {}
-    for i, sample in enumerate(samples):
-        groups.setdefault(_TURN_SUFFIX.sub("", sample.id), []).append(i)
-    keys = [""] * len(samples)
-    for members in groups.values():
-        first = min(members, key=lambda i: _turn_of(samples[i].id))
-        prompt = _prompt_tokens(samples[first])
-        key = hashlib.sha256(prompt.numpy().astype("<i8").tobytes()).hexdigest()[:16]
-        for i in members:
-            keys[i] = key
-    return keys
-
-
-def _turn_of(sample_id: str) -> int:
-    match = _TURN_SUFFIX.search(sample_id)
-    return int(match.group()[1:]) if match else -1
-
-
-def _prompt_tokens(sample: Sample) -> torch.Tensor:
-    """The tokens before the first supervised one (all of them when none is)."""
-    supervised = sample.loss_mask.nonzero()
-    end = int(supervised[0]) if len(supervised) else len(sample.input_ids)
-    return sample.input_ids[:end].long()
-
-
-def split_conversations(
-    keys: Sequence[str], heldout_fraction: float, seed: int
-) -> tuple[list[int], list[int]]:
-    """(train, held-out) sample indices: samples sharing a key (:func:`conversation_keys`) are
-    one conversation; conversations ordered by a seeded hash of their key, the first
-    ``ceil(fraction * n)`` held out (at least one, and at least one left to train).
-
-    The split depends only on the keys and the seed, not on their order or count elsewhere.
-    """
-    conversations = list(dict.fromkeys(keys))
-    if len(conversations) < 2:
-        raise DraftCheckError(
-            f"need at least 2 conversations to hold some out, got {len(conversations)}"
-        )
-
-    def order(key: str) -> str:
-        return hashlib.sha256(f"{seed}\0{key}".encode()).hexdigest()
-
-    ranked = sorted(conversations, key=order)
-    n_held = min(len(ranked) - 1, max(1, math.ceil(heldout_fraction * len(ranked))))
-    held = set(ranked[:n_held])
-    indices = range(len(keys))
-    return [i for i in indices if keys[i] not in held], [i for i in indices if keys[i] in held]
-
-
-def shift_states(sample: Sample, offset: int = 1) -> Sample:
-    """The control: every state moved ``offset`` rows later than its token (row t holds the
-    states of row t - offset; the first rows are zeros), tokens and mask unchanged."""
-    if offset < 1:
-        raise ValueError(f"offset must be >= 1, got {offset}")
-
-    def late(x: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        if x.shape[0] > offset:
-            out[offset:] = x[:-offset]
-        return out
-
-    return Sample(
-        sample.id,
-        sample.input_ids,
-        sample.loss_mask,
-        late(sample.aux_hidden_states),
-        late(sample.last_hidden_states),
-        sample.pre_norm,
-    )
-
-
-def shuffle_aux_states(samples: Sequence[Sample], seed: int) -> list[Sample]:
-    """The aux control: every position's aux states replaced by those of another position of
-    ``samples`` (one seeded cycle through all positions, so no row keeps its own); tokens, loss
-    masks and final states (the teacher) are the samples' own."""
-    lengths = [int(s.aux_hidden_states.shape[0]) for s in samples]
-    rows = torch.cat([s.aux_hidden_states for s in samples])
-    order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(seed))
-    moved = torch.empty_like(rows)
-    # Row order[i] takes row order[i - 1]: a single cycle, real states from elsewhere.
-    moved[order] = rows[order.roll(1)]
-    return [
-        Sample(s.id, s.input_ids, s.loss_mask, aux, s.last_hidden_states, s.pre_norm)
-        for s, aux in zip(samples, moved.split(lengths), strict=True)
-    ]
-
-
-def training_vocab(
-    samples: Sequence[Sample], size: int, target_vocab: int
-) -> dict[str, torch.Tensor]:
-    """The draft vocabulary (``d2t``, ``t2d``) of the samples' supervised tokens, chosen as the
-    workflow's own (:func:`eagle3data.consumers.vocab.draft_vocab`)."""
-    from collections import Counter
-
-    from eagle3data.consumers.vocab import draft_vocab
-
-    counts: Counter[int] = Counter()
-    for s in samples:
-        counts.update(s.input_ids[s.loss_mask.bool()].tolist())
-    vocab = draft_vocab(counts, size, target_vocab)
-    return {"d2t": vocab.d2t, "t2d": vocab.t2d}
-
-
-def _speculators_row(sample: Sample, norm_weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One conversation in speculators' batch layout, aligned by its own ``shift_batch``."""
-    from speculators.models.eagle3.data import shift_batch
-
-    n = int(sample.input_ids.shape[0])
-    return shift_batch(
-        {
-            "input_ids": sample.input_ids.long(),
-            "hidden_states": sample.aux_hidden_states.float(),
-            "verifier_last_hidden_states": sample.last_hidden_states.float()
-            if sample.pre_norm
-            else prenorm_from_postnorm(sample.last_hidden_states.float(), norm_weight),
-            "loss_mask": sample.loss_mask.long(),
-            "lengths": torch.tensor([n]),
-            "position_ids": torch.arange(n),
-        }
-    )
-
-
-def _pack(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Rows packed into one [1, T] sequence with document ids (speculators' batch shape)."""
-    doc = torch.cat([torch.full((int(r["input_ids"].shape[0]),), i) for i, r in enumerate(rows)])
-    batch = {
-        key: torch.cat([r[key] for r in rows]).unsqueeze(0)
-        for key in (
-            "input_ids",
-            "hidden_states",
-            "verifier_last_hidden_states",
-            "loss_mask",
-            "position_ids",
-        )
-    }
-    batch["document_ids"] = doc.unsqueeze(0)
-    return batch
-
-
-def _batches(
-    rows: Sequence[dict[str, torch.Tensor]], batch_tokens: int, generator: torch.Generator
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Rows in a seeded random order, packed greedily up to ``batch_tokens`` tokens."""
-    order = torch.randperm(len(rows), generator=generator).tolist()
-    current: list[dict[str, torch.Tensor]] = []
-    size = 0
-    for i in order:
-        n = int(rows[i]["input_ids"].shape[0])
-        if current and size + n > batch_tokens:
-            yield _pack(current)
-            current, size = [], 0
-        current.append(rows[i])
-        size += n
-    if current:
-        yield _pack(current)
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-def chain_metrics(
-    proposals: torch.Tensor, tokens: torch.Tensor, supervised: torch.Tensor
-) -> dict[str, float]:
-    """Greedy-verification metrics of K-step draft proposals over one sequence.
-
-    ``proposals`` [K, N]: the token (target ids) draft step k+1 proposes at start position t,
-    for the token at ``tokens[t + 1 + k]``; ``tokens`` [N] and ``supervised`` [N] (bool): the
-    sequence and which of its tokens the target produced. Step k+1 at t is accepted when every
-    step j <= k+1 proposed ``tokens[t + j]`` and that token is supervised and inside the
-    sequence. Start positions: t with ``supervised[t + 1]``.
-
-    Returns sums, so that sequences add: ``starts``, ``accepted`` (sum over starts of the
-    accepted-chain length, 0..K) and ``accepted_step{k}`` (starts whose first k steps were
-    all accepted).
-    """
-    if proposals.dim() != 2 or tokens.dim() != 1 or supervised.shape != tokens.shape:
-        raise ValueError("proposals [K, N], tokens [N] and supervised [N] expected")
-    k_steps, n = proposals.shape
-    if n != tokens.shape[0]:
-        raise ValueError(f"proposals cover {n} positions, the sequence has {tokens.shape[0]}")
-    # label[k, t] = tokens[t + 1 + k]; positions past the end are never accepted.
-    labels = torch.full((k_steps, n), -1, dtype=torch.long)
-    ok = torch.zeros((k_steps, n), dtype=torch.bool)
-    sup = supervised.bool()
-    for k in range(k_steps):
-        if n > 1 + k:
-            labels[k, : n - 1 - k] = tokens[1 + k :].long()
-            ok[k, : n - 1 - k] = sup[1 + k :]
-    hit = (proposals.long() == labels) & ok
-    chain = torch.cumprod(hit.long(), dim=0).bool()  # accepted through step k
-    starts = ok[0]
-    out = {"starts": float(starts.sum()), "accepted": float(chain[:, starts].sum())}
-    for k in range(k_steps):
-        out[f"accepted_step{k + 1}"] = float(chain[k, starts].sum())
-    return out
-
-
-def summarize(totals: dict[str, float], k_steps: int) -> dict[str, float]:
-    """Rates from summed :func:`chain_metrics`: ``step1_agreement``, ``acceptance_length``
-    (out of ``k_steps``) and ``step{k}_chain`` (fraction of starts accepted through step k)."""
-    starts = totals.get("starts", 0.0)
-    if starts <= 0:
-        raise DraftCheckError("no start position: no supervised token to propose")
-    out = {
-        "positions": starts,
-        "step1_agreement": totals["accepted_step1"] / starts,
-        "acceptance_length": totals["accepted"] / starts,
-    }
-    for k in range(1, k_steps + 1):
-        out[f"step{k}_chain"] = totals[f"accepted_step{k}"] / starts
-    return out
-
-
-def _add(totals: dict[str, float], part: dict[str, float]) -> None:
-    for key, value in part.items():
-        totals[key] = totals.get(key, 0.0) + value
-
-
-# --------------------------------------------------------------------------- model
-
-
-def verifier_norm_weight(model_dir: str | Path, *, trust_remote_code: bool = False) -> torch.Tensor:
-    """The target's final-norm weight, when its final norm is the plain RMSNorm that
-    speculators' teacher applies (``lm_head(verifier_norm(last))``); the one function the
-    speculators export uses too
-    (:func:`~eagle3data.hidden_states.final_state.plain_rms_norm_weight`). Else one line: for
-    any other norm (Gemma's ``1 + w``, LayerNorm) the teacher, and so every number, is wrong."""
-    try:
-        return plain_rms_norm_weight(model_dir, trust_remote_code=trust_remote_code)
-    except ModelConfigError as exc:
-        raise DraftCheckError(
-            f"{exc}; speculators' teacher applies that RMSNorm to the final state, so it is "
-            f"wrong for this target and the draft check would measure nothing; not run"
-        ) from None
-
-
-def build_draft(
-    model_dir: Path,
-    vocab: dict[str, torch.Tensor],
-    layer_ids: Sequence[int],
-    *,
-    num_layers: int,
-    ttt_steps: int,
-    seed: int,
-    fc_norm: bool = False,
-    trust_remote_code: bool = False,
-) -> torch.nn.Module:
-    """speculators' ``Eagle3DraftModel`` for the target in ``model_dir`` (its embeddings and
-    head, our draft vocabulary), ``num_layers`` decoder layers, sdpa attention, float32.
-
-    Its layers copy the text decoder's config (a wrapper's ``text_config``, read as every
-    stage reads it: :func:`eagle3data.target.text_decoder_config`)."""
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.models.eagle3.model_definitions import model_classes
-
-    from ..target import text_decoder_config
-
-    verifier = text_decoder_config(model_dir, trust_remote_code=trust_remote_code)
-    if verifier.model_type not in model_classes:
-        raise DraftCheckError(
-            f"{model_dir}: speculators' Eagle3DraftModel has no draft layers for the target's "
-            f"{verifier.model_type!r} (only {sorted(model_classes)}); the draft check cannot "
-            f"build its draft from this target"
-        )
-    verifier.num_hidden_layers = num_layers
-    torch.manual_seed(seed)
-    model = Eagle3DraftModel.from_training_args(
-        verifier,
-        t2d=vocab["t2d"].bool(),
-        d2t=vocab["d2t"].long(),
-        verifier_name_or_path=str(model_dir),
-        target_layer_ids=list(layer_ids),
-        draft_attn_impl="sdpa",
-        draft_vocab_size=int(vocab["d2t"].shape[0]),
-        norm_before_residual=True,
-        fc_norm=fc_norm,
-        ttt_steps=ttt_steps,
-        trust_remote_code=trust_remote_code,
-    )
-    return model.float()
-
-
-def train_draft(
-    model: torch.nn.Module,
-    rows: Sequence[dict[str, torch.Tensor]],
-    settings: DraftCheckSettings,
-    seed: int,
-    on_epoch: Callable[[int, float], None] | None = None,
-) -> list[float]:
-    """Our loop around speculators' forward and eager KL loss; the mean loss per epoch."""
-    from speculators.losses import resolve_loss_config
-
-    loss_config = resolve_loss_config("kl_div", "eager")
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    generator = torch.Generator().manual_seed(seed)
-    model.train()
-    losses = []
-    for epoch in range(settings.epochs):
-        total, count = 0.0, 0
-        for batch in _batches(rows, settings.batch_tokens, generator):
-            _, loss, _ = model(
-                **batch,
-                ttt_steps=settings.ttt_steps,
-                ttt_step_loss_decay=1.0,
-                loss_config=loss_config,
-            )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            total += float(loss.detach())
-            count += 1
-        losses.append(total / max(count, 1))
-        if on_epoch is not None:
-            on_epoch(epoch, losses[-1])
-    return losses
-
-
-@torch.no_grad()
-def evaluate_draft(
-    model: torch.nn.Module, rows: Sequence[dict[str, torch.Tensor]], ttt_steps: int
-) -> dict[str, float]:
-    """:func:`summarize` of the draft's proposals over held-out rows, one conversation at a time."""
-    model.eval()
-    d2t = model.d2t  # type: ignore[attr-defined]
-    totals: dict[str, float] = {}
-    for row in rows:
-        batch = _pack([row])
-        draft = model(
-            hidden_states=batch["hidden_states"],
-            input_ids=batch["input_ids"],
-            document_ids=batch["document_ids"],
-            position_ids=batch["position_ids"],
-            ttt_steps=ttt_steps,
-        )
-        ids = torch.stack([d[0] for d in draft])  # [K, N] draft ids
-        proposals = ids + d2t[ids]  # draft id i is target id i + d2t[i]
-        _add(totals, chain_metrics(proposals, row["input_ids"], row["loss_mask"].bool()))
-    return summarize(totals, ttt_steps)
-
-
-# --------------------------------------------------------------------------- the check
 
 
 @dataclass
@@ -568,15 +145,15 @@ def run_draft_check(
     train_idx, held_idx = split_conversations(keys, settings.heldout_fraction, settings.split_seed)
     train_samples = [samples[i] for i in train_idx]
     vocab = training_vocab(train_samples, int(vocab["d2t"].numel()), int(vocab["t2d"].numel()))
-    train_rows = [_speculators_row(s, norm_weight) for s in train_samples]
-    held_rows = [_speculators_row(samples[i], norm_weight) for i in held_idx]
+    train_rows = [speculators_row(s, norm_weight) for s in train_samples]
+    held_rows = [speculators_row(samples[i], norm_weight) for i in held_idx]
 
     def control_rows(variant: str, seed: int) -> list[dict[str, torch.Tensor]]:
         if variant == "aux_shuffled":
             changed = shuffle_aux_states(train_samples, seed)
         else:
             changed = [shift_states(s) for s in train_samples]
-        return [_speculators_row(s, norm_weight) for s in changed]
+        return [speculators_row(s, norm_weight) for s in changed]
 
     results: list[VariantResult] = []
     for seed in settings.seeds:

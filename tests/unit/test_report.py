@@ -11,29 +11,24 @@ import pytest
 from PIL import Image
 
 from eagle3data.generation.records import SUMMARY_SCHEMA, summarise
-from eagle3data.monitor.report import (
-    DPI,
-    FIGURES,
+from eagle3data.monitor.report import FIGURES, build_report, cancelled_text, summary_rows
+from eagle3data.monitor.report_data import (
     BudgetBar,
     BudgetUse,
     budget_use,
-    budget_use_figure,
-    build_report,
-    cancelled_text,
-    figure_size,
     length_histogram,
     load_dataset,
     load_journal,
     max_tokens_of,
     read_response_rows,
     shard_tokens,
-    summary_rows,
     throughput,
     throughput_axis,
     truncation,
     turn_lengths,
     waste_text,
 )
+from eagle3data.monitor.report_figures import DPI, budget_use_figure, figure_size
 
 
 def _turn(tokens: int, finish: str = "stop") -> dict[str, Any]:

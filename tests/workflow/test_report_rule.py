@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 from support.workflow import Workflow
 
-from eagle3data.monitor.report import DPI, FIGURES, figure_size
+from eagle3data.monitor.report import FIGURES
+from eagle3data.monitor.report_figures import DPI, figure_size
 
 pytestmark = pytest.mark.e2e
 

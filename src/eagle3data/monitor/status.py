@@ -25,7 +25,8 @@ from typing import Any
 from ..config import load_config, schema_for
 from ..layout import Results
 from .preview import model_bytes_per_token
-from .report import BudgetBar, BudgetUse, JournalSeries, journal_note, plot_live
+from .report_data import BudgetBar, BudgetUse, JournalSeries, journal_note
+from .report_figures import plot_live
 from .snapshot import (
     DatasetSnapshot,
     capture_lines,

@@ -65,7 +65,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
 from eagle3data.generation import budget as budget_rules  # noqa: E402
-from eagle3data.generation import driver  # noqa: E402
+from eagle3data.generation import run as run_module  # noqa: E402
 from eagle3data.generation.driver import GenerationJob, Prompt, run_generation  # noqa: E402
 from eagle3data.generation.engines.openai_engine import HttpSettings, OpenAIEngine  # noqa: E402
 from eagle3data.prompts.sources import prompt_hash  # noqa: E402
@@ -221,9 +221,9 @@ def run_once(url: str, concurrency: int, lengths: str, policy: str, seed: int, a
                 abort=not blind and policy != "no-abort",
             )
 
-        saved = driver._MIN_FIT, budget_rules.Z_LIKELY, budget_rules.Z_ABANDON
+        saved = run_module.MIN_FIT, budget_rules.Z_LIKELY, budget_rules.Z_ABANDON
         if policy == "mean":  # the dispatch before tail-aware planning
-            driver._MIN_FIT = 10**9
+            run_module.MIN_FIT = 10**9
         if policy in ("admit60", "tail"):
             budget_rules.Z_LIKELY, budget_rules.Z_ABANDON = 0.25, -math.inf
         if policy == "no-cancel":
@@ -233,7 +233,7 @@ def run_once(url: str, concurrency: int, lengths: str, policy: str, seed: int, a
             result = run_generation(job, factory, streaming=True)
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         finally:
-            driver._MIN_FIT, budget_rules.Z_LIKELY, budget_rules.Z_ABANDON = saved
+            run_module.MIN_FIT, budget_rules.Z_LIKELY, budget_rules.Z_ABANDON = saved
     stats = _settled_stats(url, args.disconnect_check_s + 2.0)
     capacity = args.slots * args.tokens_per_s
     drain_start = stopped_at[0] - t0 if stopped_at else wall

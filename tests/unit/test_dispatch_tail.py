@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eagle3data.generation import driver
+from eagle3data.generation import run as run_module
+from eagle3data.generation import streaming
 from eagle3data.generation.budget import (
     LengthModel,
     Outcome,
@@ -25,9 +26,13 @@ from eagle3data.generation.budget import (
     plan_dispatch_tail,
     select_prefix,
 )
-from eagle3data.generation.driver import GenerationJob, Prompt, _InFlight, _Run, _TokenClock
+from eagle3data.generation.conversation import Conversation
+from eagle3data.generation.driver import GenerationJob, Prompt
 from eagle3data.generation.engines import RequestTrace
 from eagle3data.generation.records import ok_record
+from eagle3data.generation.run import Run
+from eagle3data.generation.run_state import ServedLog, TokenClock
+from eagle3data.generation.streaming import InFlight
 
 # --------------------------------------------------------------------------- the length model
 
@@ -273,7 +278,7 @@ def test_requests_in_flight_the_budget_will_almost_surely_not_reach_are_hopeless
 
 
 def test_token_clock_estimates_progress_from_completions():
-    clock = _TokenClock()
+    clock = TokenClock()
     for pos in range(4):
         clock.dispatched(pos)
     clock.finished(0, 50)  # 50 tokens of time passed for everyone
@@ -289,7 +294,7 @@ def test_token_clock_counts_nothing_for_a_request_a_gauge_shows_waiting():
     # Followed through a server's queue gauge: a waiting request has generated nothing,
     # however long it has waited, and a later request finishing says nothing of it (it
     # was not decoding); its clock starts when the gauge first shows it decoding.
-    clock = _TokenClock()
+    clock = TokenClock()
     for pos in range(3):
         clock.dispatched(pos)
     clock.waiting(2)
@@ -307,7 +312,7 @@ def test_token_clock_counts_nothing_for_a_request_a_gauge_shows_waiting():
 def test_token_clock_falls_back_to_the_ordering_bound_when_requests_queue():
     # Completions lag far behind the clock: requests spend their time waiting in a
     # server-side queue, so elapsed clock time is not generated tokens.
-    clock = _TokenClock()
+    clock = TokenClock()
     for pos in range(40):
         clock.dispatched(pos)
     clock.finished(0, 1000)
@@ -341,7 +346,7 @@ def sim_job(n: int, *, max_tokens: int, token_budget: int | None = None) -> Gene
     )
 
 
-def commit_answers(run: _Run, positions: range, tokens: int) -> None:
+def commit_answers(run: Run, positions: range, tokens: int) -> None:
     """Journal an answer of ``tokens`` for each of these positions."""
     turn = {"finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": tokens}
     run.commit([ok_record(run.order[p], "h", [], [turn]) for p in positions])  # type: ignore[list-item]
@@ -430,7 +435,7 @@ def simulate(
     starts when it leaves the queue, and near the end waiting requests the plan would not
     send now are cancelled (``driver.unneeded_waiting``). Event-driven, so deterministic."""
     job = sim_job(len(lengths), max_tokens=max_tokens, token_budget=budget)
-    run = _Run(job, _NullJournal())  # type: ignore[arg-type]
+    run = Run(job, _NullJournal())  # type: ignore[arg-type]
     now, busy = 0.0, 0
     queue: list[int] = []
     events: list[tuple[float, int]] = []
@@ -461,7 +466,7 @@ def simulate(
     while not run.sel.complete:
         if follow_queue:
             running = in_flight - set(queue)
-            for pos in driver.unneeded_waiting(run, running, set(queue)):
+            for pos in streaming.unneeded_waiting(run, running, set(queue)):
                 queue.remove(pos)
                 in_flight.discard(pos)
                 run.clock.dropped(pos)
@@ -541,9 +546,9 @@ def sim(
     tail plan (the running mean throughout)."""
     budget = int(1000 * MEAN[kind])
     lengths = lengths_for(kind, int(1.5 * budget / MEAN[kind]) + concurrency, seed)
-    saved = driver._MIN_FIT
+    saved = run_module.MIN_FIT
     if not tail:
-        driver._MIN_FIT = 10**9
+        run_module.MIN_FIT = 10**9
     try:
         return simulate(
             lengths,
@@ -553,7 +558,7 @@ def sim(
             follow_queue=follow_queue,
         )
     finally:
-        driver._MIN_FIT = saved
+        run_module.MIN_FIT = saved
 
 
 SEEDS = range(4)
@@ -657,17 +662,17 @@ def test_a_waiting_request_the_budget_no_longer_needs_is_cancelled():
     past where the prefix will likely end are given back; running ones are never touched.
     Every answer is 100 tokens; the budget 2050 ends the prefix at 20 conversations."""
     job = sim_job(40, max_tokens=1000, token_budget=2050)
-    run = _Run(job, _NullJournal())  # type: ignore[arg-type]
+    run = Run(job, _NullJournal())  # type: ignore[arg-type]
     commit_answers(run, range(18), 100)
     running, waiting = {18, 19}, set(range(20, 30))
     for pos in sorted(running | waiting):
         run.clock.dispatched(pos)
-    cancel = driver.unneeded_waiting(run, running, waiting)
+    cancel = streaming.unneeded_waiting(run, running, waiting)
     assert cancel and cancel <= waiting
     assert min(cancel) >= 20 and 29 in cancel  # 18 + 2 running = 2000 tokens: nearly done
     # Far from the end nothing is given back: the queue keeps the server full.
-    early = _Run(job, _NullJournal())  # type: ignore[arg-type]
-    assert driver.unneeded_waiting(early, {0, 1}, set(range(2, 12))) == set()
+    early = Run(job, _NullJournal())  # type: ignore[arg-type]
+    assert streaming.unneeded_waiting(early, {0, 1}, set(range(2, 12))) == set()
 
 
 def test_dispatch_is_a_function_of_the_completions():
@@ -683,7 +688,7 @@ def test_running_requests_the_prefix_will_not_need_are_cancelled_and_their_decod
     what they had decoded; the one that decides the prefix keeps running."""
     job = sim_job(40, max_tokens=1000, token_budget=2050)
     journal = _ListJournal()
-    run = _Run(job, journal)  # type: ignore[arg-type]
+    run = Run(job, journal)  # type: ignore[arg-type]
     for pos in range(18, 21):
         run.clock.dispatched(pos)
     commit_answers(run, range(18), 100)
@@ -692,15 +697,15 @@ def test_running_requests_the_prefix_will_not_need_are_cancelled_and_their_decod
     run.clock.dispatched(21)
     run.clock.finished(21, 300)
 
-    async def scenario() -> tuple[list[_InFlight], list[bool]]:
+    async def scenario() -> tuple[list[InFlight], list[bool]]:
         flights = {}
         for pos in (18, 19, 20):
-            flight = _InFlight(pos, driver.Conversation(run.by_id[run.order[pos]]))
+            flight = InFlight(pos, Conversation(run.by_id[run.order[pos]]))
             flight.trace.sent_at = 0.0
             flight.trace.decoded_on_cancel = 7 * pos
             flights[asyncio.ensure_future(asyncio.sleep(3600))] = flight
         tasks = list(flights)
-        await driver._cancel_hopeless(run, flights)
+        await streaming._cancel_hopeless(run, flights)
         return list(flights.values()), [task.cancelled() for task in tasks]
 
     left, cancelled = asyncio.run(scenario())
@@ -726,7 +731,7 @@ def test_a_cancelled_request_decoded_at_least_what_a_later_one_on_its_server_did
     """First come, first served: a request still in flight started no later than one sent
     after it to the same server, so it has decoded at least what that one finished with.
     The floor stands in where the server says nothing and a gauge may be wrong."""
-    served = driver._ServedLog()
+    served = ServedLog()
     for endpoint, sent_at, tokens in [
         ("a", 1.0, 40),
         ("a", 3.0, 90),
@@ -750,19 +755,19 @@ def test_a_cancelled_request_a_gauge_saw_decoding_is_estimated_from_the_time_it_
     estimated at the usual decode rate for the time since then (the token clock moves only
     with answers, which are few at the end), within max_tokens; one the gauge shows waiting
     has decoded nothing."""
-    run = _Run(sim_job(3, max_tokens=500), _NullJournal())  # type: ignore[arg-type]
+    run = Run(sim_job(3, max_tokens=500), _NullJournal())  # type: ignore[arg-type]
     now = time.monotonic()
     run.served.finished(RequestTrace(endpoint="b", sent_at=now - 2.0), 200)  # 100 tokens/s
     flights = []
     for pos, seen_decoding_for in [(0, 1.5), (1, 60.0), (2, None)]:
-        flight = _InFlight(pos, driver.Conversation(run.by_id[run.order[pos]]))
+        flight = InFlight(pos, Conversation(run.by_id[run.order[pos]]))
         flight.trace = RequestTrace(endpoint="a", sent_at=now - 100.0)
         if seen_decoding_for is not None:
             flight.started_at = now - seen_decoding_for
         run.clock.dispatched(pos)
         flights.append(flight)
     run.clock.waiting(2)
-    spent = [r["completion_tokens_spent"] for r in driver._abandoned(run, flights)]
+    spent = [r["completion_tokens_spent"] for r in streaming._abandoned(run, flights)]
     assert 150 <= spent[0] <= 160  # 1.5 s at 100 tokens/s (and what the test took)
     assert spent[1] == 500  # max_tokens
     assert spent[2] == 0

@@ -220,11 +220,11 @@ def _budget_field(caplog) -> str:
 
 def test_zero_budget_is_not_logged_as_no_budget(tmp_path, caplog):
     """A budget of 0 (nothing allowed) must not read like an absent budget (no cap)."""
-    with caplog.at_level(logging.INFO, logger="eagle3data.generation.driver"):
+    with caplog.at_level(logging.INFO, logger="eagle3data.generation"):
         run_generation(make_job(tmp_path / "zero", make_prompts(3), token_budget=0), no_engine)
     zero = _budget_field(caplog)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="eagle3data.generation.driver"):
+    with caplog.at_level(logging.INFO, logger="eagle3data.generation"):
         run_generation(make_job(tmp_path / "none", make_prompts(3), max_samples=0), no_engine)
     absent = _budget_field(caplog)
     assert zero != absent, (zero, absent)

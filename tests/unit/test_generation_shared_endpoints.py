@@ -396,7 +396,7 @@ def test_a_conversation_stopped_before_its_first_request_gives_its_slot_back(
     from support.fakes import make_prompt
 
     from eagle3data.errors import GenerationAborted
-    from eagle3data.generation import driver
+    from eagle3data.generation import driver, streaming
     from eagle3data.generation.engines.openai_engine import HttpSettings, OpenAIEngine
 
     stopping: list[threading.Timer] = []
@@ -407,7 +407,7 @@ def test_a_conversation_stopped_before_its_first_request_gives_its_slot_back(
             stopping[0].start()
         await asyncio.Event().wait()
 
-    monkeypatch.setattr(driver, "_converse", never_sends)
+    monkeypatch.setattr(streaming, "_converse", never_sends)
     engines: list[OpenAIEngine] = []
     given_back: list[Any] = []
 

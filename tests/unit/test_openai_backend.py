@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.fake_openai import (
@@ -27,6 +29,7 @@ from support.fake_openai import (
 )
 from support.fakes import make_prompt
 
+from eagle3data.generation import streaming
 from eagle3data.generation.driver import (
     ErrorLimits,
     GenerationAborted,
@@ -217,8 +220,38 @@ def test_budget_is_never_exceeded_and_in_flight_work_is_cancelled(tmp_path: Path
     accounted(result, j)
 
 
+def test_the_queue_gauge_is_read_near_the_end_only_and_at_its_cost_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reading that takes ``t`` s is followed by the next one no sooner than
+    ``GAUGE_COST_SHARE * t`` later (here 20 x 20 ms: 0.4 s, four times the 0.1 s floor), and
+    none is taken before the end of the budget is near: the gauge costs the server a bounded
+    share of its time."""
+    monkeypatch.setattr(streaming, "GAUGE_COST_SHARE", 20)
+    readings: list[tuple[float, float, int]] = []  # (start, end, tokens kept so far)
+    original = OpenAIEngine.server_queues
+
+    async def slow_reading(self: OpenAIEngine) -> Any:
+        start = time.monotonic()
+        await asyncio.sleep(0.02)
+        queues = await original(self)
+        readings.append((start, time.monotonic(), len(outcomes(j)) if j.journal.exists() else 0))
+        return queues
+
+    monkeypatch.setattr(OpenAIEngine, "server_queues", slow_reading)
+    with FakeOpenAIServer(slots=2, tokens_per_s=400, mean_tokens=24) as server:
+        j = job(tmp_path, n=200, token_budget=2400)
+        result = generate(j, server.url, concurrency=12)
+    assert result.stats["stop_reason"] == "token_budget"
+    assert len(readings) >= 2, readings
+    for (start, end, _), (next_start, _, _) in itertools.pairwise(readings):
+        assert next_start - start >= 20 * (end - start) * 0.95, readings
+    # Near the end only: the first reading comes after most of the budget was kept.
+    assert readings[0][2] >= len(outcomes(j)) // 2, (readings[0], len(outcomes(j)))
+
+
 def test_a_request_waiting_in_the_servers_queue_is_cancelled_before_it_decodes(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Twelve single-turn conversations in flight on 2 slots: near the end of the budget the
     requests still waiting in the server's queue (its /v1/loads gauge) that the prefix will
@@ -231,6 +264,10 @@ def test_a_request_waiting_in_the_servers_queue_is_cancelled_before_it_decodes(
     def tokens(messages: list[dict]) -> int:
         return 64 if int(prompt_hash(messages), 16) % 3 == 0 else 8
 
+    # Every 0.1 s whatever a reading took: on a loaded machine (the suite's other worker)
+    # a slow reading would otherwise space the polls past the whole tail (the cost rule,
+    # tested on its own in test_dispatch_tail.py).
+    monkeypatch.setattr(streaming, "GAUGE_COST_SHARE", 0)
     with FakeOpenAIServer(slots=2, tokens_per_s=400, tokens_fn=tokens) as server:
         single = [
             make_prompt(f"s{i:03d}", [{"role": "user", "content": f"q {i}"}]) for i in range(80)

@@ -19,7 +19,7 @@ from eagle3data.gpu_slots import job_gpus
 from eagle3data.errors import ConfigError, PromptFormatError
 from eagle3data.hidden_states.settings import hidden_state_settings
 from eagle3data.hidden_states.phases import capture_waits_for_all, next_phase_line
-from eagle3data.prompts.readers import source_files
+from eagle3data.prompts.source_files import source_files
 from eagle3data.tokenization.settings import tokenize_settings
 
 min_version("9.0")

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from support.llama_server import LlamaServer, llama_server_available, post_json
+from support.workers import worker_threads
 
 pytestmark = pytest.mark.skipif(
     not llama_server_available(),
@@ -49,7 +50,8 @@ def gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def server(gguf: Path) -> Iterator[LlamaServer]:
-    srv = LlamaServer(gguf, n_ctx=N_CTX, n_threads=int(os.environ.get("LLAMA_TEST_THREADS", "2")))
+    threads = int(os.environ.get("LLAMA_TEST_THREADS", min(2, worker_threads())))
+    srv = LlamaServer(gguf, n_ctx=N_CTX, n_threads=threads)
     with srv:
         yield srv
     srv.cleanup_log()

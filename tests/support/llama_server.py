@@ -92,7 +92,8 @@ Concurrency
   ~3-5 s. llama.cpp's worker threads spin-wait, so with n_threads 2 a busy machine hurts
   a lot: two CPU hogs made 3 requests 3.5x slower with 2 threads, unchanged with 1
   (and one run of this suite next to other work took 7.5 min instead of 42 s). The
-  tests read ``LLAMA_TEST_THREADS`` (default 2; 1 is ~40% slower when idle).
+  tests read ``LLAMA_TEST_THREADS`` (default: 2, or 1 per worker under ``pytest -n 2``;
+  1 is ~40% slower when idle).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ from typing import Unpack
 from support.local_server import LocalServer, LocalServerError, ServerOptions
 from support.local_server import free_port as free_port
 from support.local_server import post_json as post_json
+from support.workers import worker_threads
 
 DEFAULT_ALIAS = "smollm2"
 
@@ -235,7 +237,7 @@ class LlamaServer(LocalServer):
         *,
         alias: str = DEFAULT_ALIAS,
         n_ctx: int = 2048,
-        n_threads: int = 2,
+        n_threads: int | None = None,
         seed: int = 0,
         verbose: bool = False,
         interrupt_requests: bool = False,
@@ -245,7 +247,8 @@ class LlamaServer(LocalServer):
         super().__init__(model, **options)
         self.alias = alias
         self.n_ctx = n_ctx
-        self.n_threads = n_threads
+        # Its share of the cores (two under pytest -n 2 would spin against the other worker).
+        self.n_threads = n_threads or min(2, worker_threads())
         self.seed = seed
         self.verbose = verbose
         self.interrupt_requests = interrupt_requests

@@ -844,12 +844,13 @@ def test_what_real_servers_sent_about_the_context_is_over_context() -> None:
     with max_tokens 100, and prompts longer than the context."""
     from eagle3data.generation.engines import OVER_CONTEXT, TurnFailure
     from eagle3data.generation.engines.openai_engine import failure_kind
-    from eagle3data.servers.http import error_message, models_context
+    from eagle3data.servers.http import error_message, models_entry, served_context_length
 
     for server in ("vllm", "sglang"):
         models = _recorded(server, "models")["response"]
-        assert models_context(models, "tiny-qwen3") == 1024
-        assert models_context(models, "served-under-another-name") == 1024  # the only one
+        assert served_context_length(models_entry(models, "tiny-qwen3")) == 1024
+        # the only one
+        assert served_context_length(models_entry(models, "served-under-another-name")) == 1024
         refused = _recorded(server, "error_context_too_long")["response"]
         assert failure_kind(error_message(refused, "")) == OVER_CONTEXT
     sglang = _recorded("sglang", "error_context_with_max_tokens")["response"]

@@ -50,10 +50,10 @@ from ..errors import VLLMCaptureError
 from ..servers.http import (
     RETRY_STATUS,
     TransientError,
-    context_length,
     error_message,
     json_or_none,
     model_entries,
+    served_context_length,
 )
 from ..servers.vllm_files import discard_states, read_states
 from ..target import check_remote_code
@@ -305,7 +305,7 @@ class VLLMCapture:
                     if wanted is None
                     else f"{self.url} serves {names}, not hidden_states.vllm.model {wanted!r}"
                 )
-        return str(chosen["id"]), context_length(chosen)
+        return str(chosen["id"]), served_context_length(chosen)
 
     async def _version(self) -> str | None:
         """The server's vLLM version (``GET /version``, vLLM's own route); None if unsaid."""

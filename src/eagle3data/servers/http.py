@@ -56,12 +56,8 @@ def models_entry(payload: Any, model: str) -> Mapping[str, Any]:
     return chosen[0] if chosen else {}
 
 
-def context_length(entry: Mapping[str, Any]) -> int | None:
-    """``max_model_len`` of a ``/models`` entry, or None when it reports none."""
+def served_context_length(entry: Mapping[str, Any]) -> int | None:
+    """``max_model_len`` of a ``/models`` entry (the context the server serves, which may be
+    less than the model's own), or None when it reports none."""
     value = entry.get("max_model_len")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def models_context(payload: Any, model: str) -> int | None:
-    """``max_model_len`` of ``model``'s ``/models`` entry, or None when it reports none."""
-    return context_length(models_entry(payload, model))

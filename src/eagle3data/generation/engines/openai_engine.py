@@ -74,8 +74,8 @@ from ...servers.http import (
     TransientError,
     error_message,
     json_or_none,
-    models_context,
     models_entry,
+    served_context_length,
 )
 from ...servers.openai_chat import (
     TOKEN_IDS_FIELD,
@@ -310,8 +310,9 @@ class OpenAIEngine:
                     text = await resp.text()
                     if resp.status == 200:
                         payload = json_or_none(text)
-                        endpoint.max_model_len = models_context(payload, self.settings.model)
-                        owner = models_entry(payload, self.settings.model).get("owned_by")
+                        entry = models_entry(payload, self.settings.model)
+                        endpoint.max_model_len = served_context_length(entry)
+                        owner = entry.get("owned_by")
                         # SGLang takes a request id (rid) and aborts it on /abort_request.
                         endpoint.abortable = owner == "sglang"
                         endpoint.queue_gauge = gauge_for(owner)

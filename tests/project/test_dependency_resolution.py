@@ -11,9 +11,10 @@ the other, 2-core machine), pip 26.3 35 s + 23 s + 17 s; the whole module takes 
 1.5 min with the gpu,slurm pair (four side by side on a shared 2-core machine: 56 s each for
 gpu and gpu,slurm, about 30 s for test and slurm), without this machine's local wheel indexes
 too (fast-deps: no GBs of CUDA wheels downloaded).
-Both pips resolve to the same versions: the locks pin every package. They start in the
-background when the session's collection ends (the 2.5 to 3 min they took in the CI run
-overlap the tests that run before this module; ``BackgroundResolutions``).
+Both pips resolve to the same versions: the locks pin every package. In a session on one
+worker they start in the background when collection ends (the 2.5 to 3 min they took in
+the CI run overlap the tests that run before this module; ``BackgroundResolutions``);
+under pytest-xdist, when the worker that runs this module reaches it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Everything that turns a conversation into model input goes through this module, so the
 responses we generate, the hidden states we dump and the loss mask the draft model trains
-on all come from the same rendered text.
+on all come from the same rendered text. What the template is given (the conversation
+checked, tools, template variables) is :mod:`.chat_messages`; the tokenizer's and
+template's hashes are :mod:`.tokenizer_hashes`.
 
 How the training samples and loss masks are derived
 ---------------------------------------------------
@@ -56,13 +58,12 @@ while the chain's own turns saw it): then ``F_i`` and ``P_i`` part before turn `
 from __future__ import annotations
 
 import bisect
-import hashlib
 import itertools
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .chat_messages import Message, template_kwargs, template_tools, validated
 from .errors import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -75,31 +76,15 @@ __all__ = [
     "RenderedSample",
     "TokenizedConversation",
     "TurnRender",
-    "chat_template_hash",
     "opens_reasoning",
     "render",
     "split_reasoning",
     "tokenize_conversation",
     "tokenize_text",
-    "tokenizer_hash",
     "training_samples",
     "turn_renders",
 ]
 
-Message = Mapping[str, Any]
-
-_ROLES = frozenset({"system", "user", "assistant", "tool"})
-# Roles that may follow each role (None: the start, after an optional system message).
-# An assistant turn without tool_calls may still be followed by tool turns: regenerated
-# turns need not call the tools whose results the source gives.
-_NEXT_ROLES: dict[str | None, tuple[str, ...]] = {
-    None: ("user",),
-    "user": ("assistant",),
-    "assistant": ("user", "tool"),
-    "tool": ("tool", "assistant"),
-}
-# Optional keys that mean "unset" when null; dropped so templates test them as absent.
-_OPTIONAL_KEYS = ("tool_calls", "tool_call_id", "name")
 # Prefixed to a turn's texts to find where the template first writes them (_turn_output).
 _MARK = "\x00"
 
@@ -107,31 +92,6 @@ REASONING_MODES = ("keep", "drop")
 # The think tags of every thinking family we serve (Kimi-K2.x, Qwen3, DeepSeek-R1).
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
-
-# Names that ``apply_chat_template`` consumes itself: as template variables they would
-# clash with our own arguments or be silently swallowed instead of reaching the template.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-        "sanitize_control_tokens",
-        "tools",  # an argument of render() and friends
-    }
-)
-
-# Runtime state that transformers toggles on the backend between calls; not part of
-# what the tokenizer *is*, so it must not change its hash.
-_VOLATILE_BACKEND_KEYS = ("truncation", "padding")
 
 
 @dataclass(frozen=True)
@@ -179,8 +139,8 @@ def render(
     ``{"enable_thinking": False}`` for Qwen3 or ``{"thinking": True}`` for Kimi;
     ``tools`` (OpenAI tool specs) go to the template's ``tools``.
     """
-    conversation = _validated(messages)
-    template = _Template(tokenizer, _template_kwargs(chat_template_kwargs), _tools(tools))
+    conversation = validated(messages)
+    template = _Template(tokenizer, template_kwargs(chat_template_kwargs), template_tools(tools))
     return template.render(conversation, add_generation_prompt)
 
 
@@ -249,12 +209,12 @@ def _renders(
     """The whole conversation's render and each assistant turn's :class:`TurnRender`."""
     if reasoning not in REASONING_MODES:
         raise ValueError(f"reasoning must be one of {list(REASONING_MODES)}, got {reasoning!r}")
-    conversation = _validated(messages)
+    conversation = validated(messages)
     if reasoning == "drop":
         conversation = [
             {k: v for k, v in m.items() if k != "reasoning_content"} for m in conversation
         ]
-    template = _Template(tokenizer, _template_kwargs(chat_template_kwargs), _tools(tools))
+    template = _Template(tokenizer, template_kwargs(chat_template_kwargs), template_tools(tools))
     turns = []
     for i, message in enumerate(conversation):
         if message["role"] != "assistant":
@@ -365,32 +325,6 @@ def split_reasoning(prompt: str, completion: str) -> tuple[str | None, str]:
     return reasoning, content.strip()
 
 
-def chat_template_hash(tokenizer: PreTrainedTokenizerBase) -> str:
-    """SHA-256 hex digest of the chat template text that ``render`` uses."""
-    return _sha256(_template_text(tokenizer))
-
-
-def tokenizer_hash(tokenizer: PreTrainedTokenizerBase) -> str:
-    """SHA-256 hex digest of a canonical dump of the tokenizer, stable across processes.
-
-    Covers the backend (normalizer, pre-tokenizer, model, added tokens, post-processor,
-    decoder) and the special-token map; it deliberately ignores the Python class name,
-    the chat template (see ``chat_template_hash``) and truncation/padding state.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        dump = json.loads(backend.to_str())
-        for key in _VOLATILE_BACKEND_KEYS:
-            dump.pop(key, None)
-        canonical: dict[str, Any] = {"backend": dump}
-    else:
-        # Slow tokenizers have no single serialisable state; the vocabulary is the best
-        # portable proxy we have.
-        canonical = {"vocab": tokenizer.get_vocab()}
-    canonical["special_tokens"] = tokenizer.special_tokens_map
-    return _sha256(json.dumps(canonical, sort_keys=True, ensure_ascii=False, default=str))
-
-
 @dataclass(frozen=True)
 class _Template:
     """The tokenizer's chat template with this conversation's variables and tools."""
@@ -456,110 +390,6 @@ def _marked(message: Mapping[str, Any]) -> dict[str, Any]:
     if message.get("reasoning_content"):
         marked["reasoning_content"] = _MARK + message["reasoning_content"]
     return marked
-
-
-def _validated(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    """Check roles, order and fields; return plain dicts for ``apply_chat_template``
-    (unset optional keys dropped, tool-call arguments decoded: see the module docstring)."""
-    if isinstance(messages, (str, bytes)) or not messages:
-        raise ChatTemplateError("a conversation needs at least one message")
-
-    conversation: list[dict[str, Any]] = []
-    previous: str | None = None  # role of the previous non-system message
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ChatTemplateError(f"turn {i}: expected a mapping, got {type(message).__name__}")
-        role = message.get("role")
-        if role not in _ROLES:
-            raise ChatTemplateError(f"turn {i}: role must be one of {sorted(_ROLES)}, got {role!r}")
-        _check_fields(i, role, message)
-        if role == "system":
-            if i != 0:
-                raise ChatTemplateError(f"turn {i}: a system message is only allowed first")
-        elif role not in _NEXT_ROLES[previous]:
-            raise ChatTemplateError(
-                f"turn {i}: expected a {' or '.join(_NEXT_ROLES[previous])} message, got "
-                f"{role} (conversations start with system or user and then alternate; "
-                "tool results follow an assistant turn and are answered by one)"
-            )
-        else:
-            previous = role
-        conversation.append(_template_message(message))
-    return conversation
-
-
-def _check_fields(i: int, role: str, message: Mapping[str, Any]) -> None:
-    if not isinstance(message.get("content"), str):
-        raise ChatTemplateError(
-            f"turn {i} ({role}): content must be a string, "
-            f"got {type(message.get('content')).__name__}"
-        )
-    reasoning = message.get("reasoning_content")
-    if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
-        raise ChatTemplateError(
-            f"turn {i} ({role}): reasoning_content must be a string on an assistant turn"
-        )
-    calls = message.get("tool_calls")
-    if calls is not None and (role != "assistant" or not _are_tool_calls(calls)):
-        raise ChatTemplateError(
-            f"turn {i} ({role}): tool_calls must be a list of "
-            "{id, type, function: {name, arguments}} on an assistant turn"
-        )
-    for key in ("tool_call_id", "name"):
-        if message.get(key) is not None and not isinstance(message[key], str):
-            raise ChatTemplateError(f"turn {i} ({role}): {key} must be a string")
-
-
-def _are_tool_calls(calls: Any) -> bool:
-    return isinstance(calls, list) and all(
-        isinstance(c, Mapping)
-        and isinstance(c.get("function"), Mapping)
-        and isinstance(c["function"].get("name"), str)
-        for c in calls
-    )
-
-
-def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in message.items() if not (k in _OPTIONAL_KEYS and v is None)}
-    if "tool_calls" in out:
-        if out["tool_calls"]:
-            out["tool_calls"] = [_template_tool_call(c) for c in out["tool_calls"]]
-        else:
-            del out["tool_calls"]  # [] means none; some templates test for the key
-    return out
-
-
-def _template_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
-    """The call with its ``arguments`` JSON string decoded when it encodes an object."""
-    function = dict(call["function"])
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            decoded = json.loads(arguments)
-        except ValueError:
-            decoded = None
-        if isinstance(decoded, dict):
-            function["arguments"] = decoded
-    return {**call, "function": function}
-
-
-def _tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Tool specs for the template; None (no tools) for None or an empty list."""
-    if tools is None:
-        return None
-    if isinstance(tools, (str, bytes)) or not all(isinstance(t, Mapping) for t in tools):
-        raise ChatTemplateError("tools must be a list of OpenAI tool specs (mappings)")
-    return [dict(t) for t in tools] or None
-
-
-def _template_kwargs(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
-    extra = dict(chat_template_kwargs or {})
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(extra))
-    if reserved:
-        raise ValueError(
-            f"chat_template_kwargs may not set {reserved}; they are not template variables"
-        )
-    return extra
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -657,15 +487,3 @@ def _char_offsets_from_bytes(
         offsets.append((first, max(first, last)))
         position = end
     return offsets
-
-
-def _template_text(tokenizer: PreTrainedTokenizerBase) -> str:
-    try:
-        template = tokenizer.get_chat_template()
-    except ValueError as exc:
-        raise ChatTemplateError(f"tokenizer has no usable chat template: {exc}") from exc
-    return template
-
-
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()

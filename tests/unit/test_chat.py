@@ -19,14 +19,13 @@ from support.workflow import REPO
 from eagle3data.chat import (
     ChatTemplateError,
     TokenizedConversation,
-    chat_template_hash,
     render,
     split_reasoning,
     tokenize_conversation,
     tokenize_text,
-    tokenizer_hash,
     training_samples,
 )
+from eagle3data.tokenizer_hashes import chat_template_hash, tokenizer_hash
 
 SRC = REPO / "src"
 
@@ -614,7 +613,7 @@ def test_tokenizer_hash_is_stable_across_save_and_processes(tmp_path):
     code = (
         "import sys\n"
         "from transformers import PreTrainedTokenizerFast\n"
-        "from eagle3data.chat import chat_template_hash, tokenizer_hash\n"
+        "from eagle3data.tokenizer_hashes import chat_template_hash, tokenizer_hash\n"
         "tok = PreTrainedTokenizerFast.from_pretrained(sys.argv[1])\n"
         "print(tokenizer_hash(tok), chat_template_hash(tok))\n"
     )

@@ -38,8 +38,8 @@ def tokenize(
     out_tokenized: str,
     out_stats: str,
 ) -> None:
-    from ..chat import chat_template_hash, tokenizer_hash
     from ..target import load_tokenizer
+    from ..tokenizer_hashes import chat_template_hash, tokenizer_hash
     from .samples import tokenize_response
 
     tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)

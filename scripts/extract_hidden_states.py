@@ -14,17 +14,20 @@ if __name__ == "__main__":
     from eagle3data.config import model_name
     from eagle3data.gpu_slots import GpuRequest
     from eagle3data.hidden_states.capture_service import capture_with_engine, uses_engine_service
-    from eagle3data.hidden_states.extraction import extract_shard  # imports no torch
+    from eagle3data.hidden_states.extraction import ShardJob, extract_shard  # imports no torch
     from eagle3data.hidden_states.phases import check_generation_stopped, local_generation_endpoints
-    from eagle3data.hidden_states.settings import execution_settings
+    from eagle3data.hidden_states.settings import CaptureSettings, execution_settings
     from eagle3data.jobs import run_step
 
-    settings = json.loads(snakemake.params.settings)
-    hidden_cfg = {**settings["hidden_states"], **execution_settings(snakemake.config)}
+    # What changes the states from params (the rerun trigger); how to run them (GPUs,
+    # SGLang's engine options) from the config: neither of those changes the states.
+    capture = CaptureSettings.parse(
+        json.loads(snakemake.params.settings), execution_settings(snakemake.config)
+    )
     gpus = GpuRequest.of_job(snakemake)
     # The target loads once per run (a capture engine serves every shard job: the
     # capture_service module), unless hidden_states.engine_lifetime is "shard".
-    shared = uses_engine_service(hidden_cfg)
+    shared = uses_engine_service(capture)
     run_step(
         snakemake.log[0],
         capture_with_engine if shared else extract_shard,
@@ -32,17 +35,17 @@ if __name__ == "__main__":
         # Phase 2 only: not while a generation server on this machine holds the GPUs.
         checks=[lambda: check_generation_stopped(local_generation_endpoints(snakemake.config))],
         **({"job_gpus": gpus} if shared else {}),
-        dataset=snakemake.wildcards.dataset,
-        shard=int(snakemake.wildcards.shard),
-        spec_path=snakemake.input.spec,
-        tokenized_path=snakemake.input.tokenized,
-        tokenize_stats_path=snakemake.input.tokenize_stats,
-        model_path=str(Path(snakemake.input.model).parent),
-        # A provenance label and how to run (GPUs, SGLang's engine options): read from
-        # the config, not params, which are rerun triggers; neither changes the states.
-        model_label=model_name(snakemake.config["model"]),
-        hidden_cfg=hidden_cfg,
-        model_dtype=settings["dtype"],
-        out_shard=snakemake.output.shard,
+        job=ShardJob(
+            dataset=snakemake.wildcards.dataset,
+            shard=int(snakemake.wildcards.shard),
+            spec_path=snakemake.input.spec,
+            tokenized_path=snakemake.input.tokenized,
+            tokenize_stats_path=snakemake.input.tokenize_stats,
+            out_shard=snakemake.output.shard,
+            model_path=str(Path(snakemake.input.model).parent),
+            # A provenance label: read from the config, not params (rerun triggers).
+            model_label=model_name(snakemake.config["model"]),
+        ),
+        capture=capture,
         threads=snakemake.threads,
     )

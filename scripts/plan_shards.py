@@ -7,9 +7,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
 
 from eagle3data.hidden_states.planning import plan_shards
+from eagle3data.hidden_states.settings import CaptureSettings, execution_settings
 from eagle3data.jobs import run_step
 
-settings = json.loads(snakemake.params.settings)
+capture = CaptureSettings.parse(
+    json.loads(snakemake.params.settings), execution_settings(snakemake.config)
+)
 run_step(
     snakemake.log[0],
     plan_shards,
@@ -17,8 +20,7 @@ run_step(
     tokenized_path=snakemake.input.tokenized,
     tokenize_stats_path=snakemake.input.tokenize_stats,
     model_path=str(Path(snakemake.input.model).parent),
-    hidden_cfg=settings["hidden_states"],
-    model_dtype=settings["dtype"],
+    capture=capture,
     out_plan=snakemake.output.plan,
     spec_dir=snakemake.params.spec_dir,
 )

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, UserError
+from .schema import PACKAGE_SCHEMA
 from .units import parse_count
 
 
@@ -29,10 +30,6 @@ def content_hash(obj: Any, length: int = 16) -> str:
 def model_name(model_cfg: Mapping[str, Any]) -> str:
     """The name recorded in response rows and shard attributes."""
     return model_cfg.get("name") or Path(model_cfg["path"]).name
-
-
-# The schema of this checkout of the workflow (src/eagle3data/ -> config/schema.yaml).
-PACKAGE_SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
 
 def schema_for(workdir: Path) -> Path:

@@ -23,6 +23,8 @@ pytest.importorskip("speculators", reason="the README's test command installs sp
 from speculators.train.data import ArrowDataset, CollateFn
 
 from eagle3data.consumers import speculators as spec
+from eagle3data.consumers.speculators_check import verify_speculators_export
+from eagle3data.consumers.speculators_format import EXPORT_JSON
 from eagle3data.loader import HiddenStateDataset
 
 pytestmark = pytest.mark.e2e
@@ -39,7 +41,7 @@ def _export(run: ExportedRun, out: Path) -> dict:
         work_dir=str(out.parent / "work"),
         responses=[str(run.path(f"results/responses/{DATASET}.jsonl"))],
     )
-    return json.loads((out / spec.EXPORT_JSON).read_text())
+    return json.loads((out / EXPORT_JSON).read_text())
 
 
 def test_speculators_reads_the_export_and_its_teacher_agrees(
@@ -79,7 +81,7 @@ def test_the_post_norm_state_handed_over_as_is_is_caught(
     with pytest.raises(
         spec.SpeculatorsExportError, match=r"agrees with the next token at 0\.[0-4]"
     ):
-        spec.verify_speculators_export(
+        verify_speculators_export(
             out,
             datasets=[DATASET],
             shard_dirs=[str(exported_run.path(f"results/hidden_states/{DATASET}"))],

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
+from support.settings import capture_settings
 
 from eagle3data.gpu_slots import GpuRequest
 from eagle3data.hidden_states import capture_service
@@ -19,15 +19,9 @@ from eagle3data.hidden_states.capture_service import (
     capture_on_engine,
     owner_token,
 )
+from eagle3data.hidden_states.extraction import ShardJob
 
-HIDDEN = {
-    "backend": "transformers",
-    "device": "cpu",
-    "aux_layers": "auto",
-    "aux_layer_convention": "layer_output",
-    "dtype": "float32",
-    "batch_tokens": 512,
-}
+CAPTURE = capture_settings(device="cpu", dtype="float32", batch_tokens=512)
 
 
 @pytest.fixture
@@ -41,12 +35,25 @@ def spec(model: Path, workdir: Path) -> EngineSpec:
     return EngineSpec(
         owner=owner_token(),  # this test process is the run
         model_path=str(model),
-        hidden_cfg=HIDDEN,
-        model_dtype="float32",
+        capture=CAPTURE,
         threads=1,
         workdir=str(workdir),
         log_dir=str(workdir / "logs"),
         idle_s=60,
+    )
+
+
+def job(tmp_path: Path) -> ShardJob:
+    """A shard job whose files are missing: the engine fails the shard, if it loads."""
+    return ShardJob(
+        dataset="A1",
+        shard=0,
+        spec_path=str(tmp_path / "missing-spec.json"),
+        tokenized_path=str(tmp_path / "missing.parquet"),
+        tokenize_stats_path=str(tmp_path / "missing.stats.json"),
+        out_shard=str(tmp_path / "shard-00000.h5"),
+        model_path=str(tmp_path / "model"),
+        model_label="tiny",
     )
 
 
@@ -61,7 +68,7 @@ def test_an_engine_that_cannot_load_the_target_fails_the_job_in_one_line(
     engines: Path, tmp_path: Path
 ) -> None:
     with pytest.raises(CaptureEngineError) as failed:
-        capture_on_engine(spec(tmp_path / "no-model", tmp_path), GpuRequest(0), {})
+        capture_on_engine(spec(tmp_path / "no-model", tmp_path), GpuRequest(0), job(tmp_path))
     assert "no-model" in str(failed.value) and "\n" not in str(failed.value)
     nothing_left(engines)
 
@@ -69,20 +76,8 @@ def test_an_engine_that_cannot_load_the_target_fails_the_job_in_one_line(
 def test_a_failed_shard_fails_the_job_and_stops_the_engine(
     engines: Path, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    request: dict[str, Any] = {
-        "dataset": "A1",
-        "shard": 0,
-        "spec_path": str(tmp_path / "missing-spec.json"),
-        "tokenized_path": str(tmp_path / "missing.parquet"),
-        "tokenize_stats_path": str(tmp_path / "missing.stats.json"),
-        "model_path": str(tiny_model_dir),
-        "model_label": "tiny",
-        "hidden_cfg": HIDDEN,
-        "model_dtype": "float32",
-        "out_shard": str(tmp_path / "shard-00000.h5"),
-    }
     with pytest.raises(CaptureEngineError, match=r"missing-spec\.json"):
-        capture_on_engine(spec(tiny_model_dir, tmp_path), GpuRequest(0), request)
+        capture_on_engine(spec(tiny_model_dir, tmp_path), GpuRequest(0), job(tmp_path))
     nothing_left(engines)
     assert not (tmp_path / "shard-00000.h5").exists()
     log = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from support.settings import validated_config
 from support.target_models import NORM_TARGETS, make_norm_target_dir, specforge_view
 
 from eagle3data.consumers.specforge import export_specforge
@@ -233,11 +234,12 @@ def test_speculators_teacher_is_right_only_for_a_plain_rms_norm(
     from speculators.models.eagle3.model_definitions import model_classes
 
     from eagle3data.consumers import speculators as spec
+    from eagle3data.consumers.speculators_check import DRAFT_ARCH
 
     extractor, model_dir = target["extractor"], target["model"]
     weight = load_final_norm(model_dir).module.weight.detach().float()
     h = extractor.hidden_size
-    teacher_norm = model_classes[spec.DRAFT_ARCH].norm_class(h, eps=1e-6)
+    teacher_norm = model_classes[DRAFT_ARCH].norm_class(h, eps=1e-6)
     teacher_norm.load_state_dict({"weight": weight})
     head = agreement.load_head(model_dir).float()
     data = HiddenStateDataset(target[PRE_NORM])
@@ -303,16 +305,17 @@ def test_the_job_captures_the_configured_state_from_what_its_settings_say(
 ) -> None:
     """The shard job reads its settings back (post_norm is left out of them, see above)."""
     from eagle3data.hidden_states.backends import build_extractor
-    from eagle3data.hidden_states.settings import hidden_state_settings
+    from eagle3data.hidden_states.settings import (
+        CaptureSettings,
+        execution_settings,
+        hidden_state_settings,
+    )
 
-    section = {
-        "backend": "transformers",
-        "aux_layers": "auto",
-        "aux_layer_convention": "layer_output",
-        "dtype": "float32",
-        "device": "cpu",
-        "final_state": final_state,
-    }
-    settings = hidden_state_settings({"model": {"dtype": "auto"}, "hidden_states": section})
-    extractor = build_extractor(str(tiny_model_dir), settings["hidden_states"], "auto")
+    section = {"dtype": "float32", "device": "cpu", "final_state": final_state}
+    config = validated_config(section)
+    # What the rule's params carry, through JSON, as the job reads them.
+    params = json.loads(json.dumps(hidden_state_settings(config)))
+    assert ("final_state" in params["hidden_states"]) == (final_state != POST_NORM)
+    capture = CaptureSettings.parse(params, execution_settings(config))
+    extractor = build_extractor(str(tiny_model_dir), capture)
     assert extractor.final_state == final_state

@@ -12,6 +12,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from support.settings import capture_settings
 
 from eagle3data.consumers.specforge import export_specforge
 from eagle3data.consumers.vocab import build_draft_vocab, draft_vocab
@@ -540,7 +541,7 @@ TOK_STATS = {
 
 
 def test_plan_and_extract_store_float8(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from eagle3data.hidden_states.extraction import extract_shard
+    from eagle3data.hidden_states.extraction import ShardJob, extract_shard
     from eagle3data.hidden_states.planning import plan_shards
 
     lengths = [12, 30, 7, 21]
@@ -562,10 +563,11 @@ def test_plan_and_extract_store_float8(tmp_path: Path, tiny_model_dir: Path) -> 
         "dtype": "float32",
         "device": "cpu",
         "batch_tokens": 64,
+        "shard_bytes": 40 * bytes_per_token(64, "float32"),
     }
     shard_paths = {}
     for storage in ("auto", FP8_DTYPE):
-        cfg = {**hidden_cfg, "storage_dtype": storage}
+        capture = capture_settings(**hidden_cfg, storage_dtype=storage)
         root = tmp_path / storage
         per_token = bytes_per_token(64, "float32", storage)
         plan_shards(
@@ -573,8 +575,7 @@ def test_plan_and_extract_store_float8(tmp_path: Path, tiny_model_dir: Path) -> 
             tokenized_path=str(tokenized),
             tokenize_stats_path=str(stats),
             model_path=str(tiny_model_dir),
-            hidden_cfg={**cfg, "shard_bytes": 40 * bytes_per_token(64, "float32")},
-            model_dtype="auto",
+            capture=capture,
             out_plan=str(root / "plan.json"),
             spec_dir=str(root / "specs"),
         )
@@ -584,19 +585,17 @@ def test_plan_and_extract_store_float8(tmp_path: Path, tiny_model_dir: Path) -> 
         # FP8 shards hold ~4x the tokens of float32 ones in the same shard_bytes.
         assert len(plan["shards"]) == (1 if storage == FP8_DTYPE else 3)
         shard_paths[storage] = root / "shard-00000.h5"
-        extract_shard(
+        job = ShardJob(
             dataset="A1",
             shard=0,
             spec_path=str(root / "specs" / "shard-00000.json"),
             tokenized_path=str(tokenized),
             tokenize_stats_path=str(stats),
+            out_shard=str(shard_paths[storage]),
             model_path=str(tiny_model_dir),
             model_label="tiny",
-            hidden_cfg=cfg,
-            model_dtype="auto",
-            out_shard=str(shard_paths[storage]),
-            threads=1,
         )
+        extract_shard(job, capture, threads=1)
         assert validate_shard(shard_paths[storage]).ok
     with open_shard(shard_paths["auto"]) as ref, open_shard(shard_paths[FP8_DTYPE]) as fp8:
         assert fp8.storage_dtype == FP8_DTYPE and fp8.hidden_dtype == "float32"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from support.settings import capture_settings
 
 from eagle3data.hidden_states.extraction import length_batches
 from eagle3data.hidden_states.planning import plan_shards
@@ -60,8 +61,7 @@ def test_plan_fails_early_when_the_disk_cannot_hold_the_shards(tmp_path: Path, m
         tokenized_path=str(tokenized),
         tokenize_stats_path=str(tokenized.with_suffix(".stats.json")),
         model_path=str(model),
-        hidden_cfg={"dtype": "auto", "shard_bytes": 10**9},
-        model_dtype="auto",
+        capture=capture_settings(shard_bytes=10**9),
         out_plan=str(out),
         spec_dir=str(tmp_path / "specs"),
     )
@@ -89,8 +89,7 @@ def test_plan_shards_bounds_bytes_and_keeps_order(tmp_path: Path) -> None:
         tokenized_path=str(tokenized),
         tokenize_stats_path=str(tokenized.with_suffix(".stats.json")),
         model_path=str(model),
-        hidden_cfg={"dtype": "auto", "shard_bytes": 30 * per_token},
-        model_dtype="auto",
+        capture=capture_settings(shard_bytes=30 * per_token),
         out_plan=str(out),
         spec_dir=str(tmp_path / "specs"),
     )
@@ -137,8 +136,7 @@ def _plan(tmp_path: Path, tokenized: Path, per_token_bytes: int) -> dict:
         tokenized_path=str(tokenized),
         tokenize_stats_path=str(tokenized.with_suffix(".stats.json")),
         model_path=str(model),
-        hidden_cfg={"dtype": "auto", "shard_bytes": per_token_bytes * (4 * 8 * 2 + 5)},
-        model_dtype="auto",
+        capture=capture_settings(shard_bytes=per_token_bytes * (4 * 8 * 2 + 5)),
         out_plan=str(out),
         spec_dir=str(tmp_path / "specs"),
     )
@@ -195,24 +193,23 @@ def test_shard_specs_change_only_where_the_rows_do(tmp_path: Path) -> None:
 
 def test_a_shard_is_never_extracted_from_rows_its_spec_does_not_describe(tmp_path: Path) -> None:
     from eagle3data.errors import ValidationError
-    from eagle3data.hidden_states.extraction import extract_shard
+    from eagle3data.hidden_states.extraction import ShardJob, extract_shard
 
     tokenized = _tokenized(tmp_path, [10, 20, 5])
     _plan(tmp_path, tokenized, 30)
     _tokenized(tmp_path, [10, 20, 5], seed=1)  # the rows changed behind the plan's back
     with pytest.raises(ValidationError, match=r"A1 shard 0: .*shard-00000\.json does not describe"):
-        extract_shard(
+        job = ShardJob(
             dataset="A1",
             shard=0,
             spec_path=str(tmp_path / "specs" / "shard-00000.json"),
             tokenized_path=str(tokenized),
             tokenize_stats_path=str(tokenized.with_suffix(".stats.json")),
+            out_shard=str(tmp_path / "hs" / "shard-00000.h5"),
             model_path=str(tmp_path / "model"),
             model_label="m",
-            hidden_cfg={},
-            model_dtype="auto",
-            out_shard=str(tmp_path / "hs" / "shard-00000.h5"),
         )
+        extract_shard(job, capture_settings())
     assert not (tmp_path / "hs" / "shard-00000.h5").exists()
 
 

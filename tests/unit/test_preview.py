@@ -10,16 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from eagle3data.config import PACKAGE_SCHEMA, validate_config
 from eagle3data.layout import Results
 from eagle3data.monitor import preview
 
 
 def _config(model_dir: Path, **datasets: dict) -> dict:
-    return {
+    config = {
         "model": {"path": str(model_dir), "dtype": "auto"},
         "hidden_states": {"dtype": "auto", "max_seq_len": 2048},
-        "datasets": datasets,
+        "datasets": {name: {"path": f"{name}.jsonl", **d} for name, d in datasets.items()},
     }
+    return validate_config(config, PACKAGE_SCHEMA)  # as the status command loads it
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ by tests/gpu/check_sglang.py on a GPU machine.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -24,26 +25,29 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from support.settings import capture_settings
 from support.workflow import REPO
 
 from eagle3data.hidden_states import handoff
 from eagle3data.hidden_states.backends import build_extractor
 from eagle3data.hidden_states.final_state import POST_NORM
 from eagle3data.hidden_states.layers import AuxLayers, resolve_aux_layers
+from eagle3data.hidden_states.settings import CaptureSettings
 from eagle3data.hidden_states.sglang_capture import (
+    SGLangCapture,
+    SGLangCaptureError,
+    engine_kwargs,
+    sglang_layer_ids,
+)
+from eagle3data.hidden_states.sglang_engine import start_engine, workers_write_to_job_log
+from eagle3data.hidden_states.sglang_hooks import (
     FINAL_NORM_MODULES,
     HOOK_FACTORY,
     PRE_NORM_HOOK_FACTORY,
     SHARED_HOOK_FACTORY,
-    SGLangCapture,
-    SGLangCaptureError,
     append_last_hidden_states_hook,
-    engine_kwargs,
-    sglang_layer_ids,
     shared_rows_hook,
     split_states,
-    start_engine,
-    workers_write_to_job_log,
 )
 
 HIDDEN = 8
@@ -400,15 +404,15 @@ def test_an_idle_forward_hands_over_no_rows_and_leaves_nothing_behind():
     """A data-parallel attention group with no request this step: SGLang skips the final
     norm (no pre-norm rows) and the logits processor holds zero rows (seen on its CPU
     engine at dp 2)."""
-    from eagle3data.hidden_states import sglang_capture
+    from eagle3data.hidden_states import sglang_hooks
 
-    sglang_capture._pre_norm_rows[:] = [torch.ones(2, HIDDEN)]  # a stale one: dropped
+    sglang_hooks._pre_norm_rows[:] = [torch.ones(2, HIDDEN)]  # a stale one: dropped
     idle = SimpleNamespace(
         hidden_states=torch.zeros(0, 3 * HIDDEN), last_hidden_states=torch.zeros(0, HIDDEN)
     )
-    aux, last = sglang_capture._captured_parts(idle, "pre_norm")
+    aux, last = sglang_hooks._captured_parts(idle, "pre_norm")
     assert aux.shape == (0, 3 * HIDDEN) and last.shape == (0, HIDDEN)
-    assert sglang_capture._pre_norm_rows == []
+    assert sglang_hooks._pre_norm_rows == []
 
 
 def test_a_pre_norm_capture_whose_norm_hook_never_ran_fails(model_dir):
@@ -430,24 +434,16 @@ def test_capture_raises_when_the_engine_computed_only_part_of_a_prompt(model_dir
 # --- the factory and the config -----------------------------------------------------
 
 
-def hidden_cfg(**overrides: Any) -> dict[str, Any]:
-    cfg = {
-        "backend": "transformers",
-        "aux_layers": "auto",
-        "aux_layer_convention": "layer_output",
-        "dtype": "auto",
-        "device": "cpu",
-        "sglang": {"tp_size": 2, "ep_size": 2, "mem_fraction_static": 0.7, "extra_args": {}},
-    }
-    return {**cfg, **overrides}
+def capture(**overrides: Any) -> CaptureSettings:
+    sglang = {"tp_size": 2, "ep_size": 2, "mem_fraction_static": 0.7, "extra_args": {}}
+    return capture_settings(**{"device": "cpu", "sglang": sglang, **overrides})
 
 
 def test_factory_builds_the_sglang_backend_with_the_configured_options(model_dir):
     engines: list[FakeEngine] = []
     extractor = build_extractor(
         str(model_dir),
-        hidden_cfg(backend="sglang", dtype="float16"),
-        "auto",
+        capture(backend="sglang", dtype="float16"),
         sglang_engine_factory=lambda kw: engines.append(FakeEngine(kw)) or engines[-1],
     )
     assert isinstance(extractor, SGLangCapture)
@@ -466,7 +462,7 @@ def test_factory_builds_the_sglang_backend_with_the_configured_options(model_dir
 def test_the_transformers_backend_says_what_captured_the_states(tiny_model_dir):
     import transformers
 
-    extractor = build_extractor(str(tiny_model_dir), hidden_cfg(dtype="float32"), "auto")
+    extractor = build_extractor(str(tiny_model_dir), capture(dtype="float32"))
     assert extractor.capture_fingerprint() == {
         "engine": f"transformers {transformers.__version__}",
         "layout": "cpu",
@@ -477,7 +473,7 @@ def test_the_transformers_backend_says_what_captured_the_states(tiny_model_dir):
 def test_factory_builds_the_transformers_backend(tiny_model_dir):
     from eagle3data.hidden_states.transformers_capture import HiddenStateExtractor
 
-    extractor = build_extractor(str(tiny_model_dir), hidden_cfg(dtype="float32"), "auto")
+    extractor = build_extractor(str(tiny_model_dir), capture(dtype="float32"))
     assert isinstance(extractor, HiddenStateExtractor)
     ((aux, last),) = extractor.forward([[1, 2, 3]])
     assert aux.shape == (3, 3 * 64) and last.shape == (3, 64)
@@ -485,7 +481,8 @@ def test_factory_builds_the_transformers_backend(tiny_model_dir):
 
 def test_factory_rejects_an_unknown_backend(model_dir):
     with pytest.raises(ValueError, match="must be one of"):
-        build_extractor(str(model_dir), hidden_cfg(backend="tensorrt-llm"), "auto")
+        # The schema refuses it first; a settings object made by hand gets this.
+        build_extractor(str(model_dir), dataclasses.replace(capture(), backend="tensorrt-llm"))
 
 
 def test_without_sglang_installed_the_error_says_how_to_install_it(model_dir, monkeypatch):

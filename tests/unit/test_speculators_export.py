@@ -33,6 +33,12 @@ from speculators.train.data import ArrowDataset, CollateFn
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
 from eagle3data.consumers import speculators as spec
+from eagle3data.consumers.speculators_check import (
+    FINAL_STATE_TOLERANCE,
+    FP8_FINAL_STATE_TOLERANCE,
+    verify_speculators_export,
+)
+from eagle3data.consumers.speculators_format import EXPORT_JSON
 from eagle3data.consumers.vocab import draft_vocab
 from eagle3data.hidden_states import agreement
 from eagle3data.hidden_states.extraction import extract_into_shard
@@ -182,7 +188,7 @@ def _export(run: dict, out: Path, **kwargs) -> None:
 
 
 def _verify(run: dict, out: Path) -> dict:
-    return spec.verify_speculators_export(
+    return verify_speculators_export(
         out,
         datasets=list(DATASETS),
         shard_dirs=[str(run[d]) for d in DATASETS],
@@ -202,7 +208,7 @@ def _digest(directory: Path) -> dict[str, str]:
 def test_speculators_reads_the_export_and_its_teacher_agrees(run: dict, tmp_path: Path) -> None:
     out = tmp_path / "speculators"
     _export(run, out)
-    info = json.loads((out / spec.EXPORT_JSON).read_text())
+    info = json.loads((out / EXPORT_JSON).read_text())
     manifests = {d: json.loads((run[d] / "manifest.json").read_text()) for d in DATASETS}
     layer_ids = manifests["A1"]["attrs"]["aux_hidden_states_indices"]
     assert info["target_layer_ids"] == layer_ids
@@ -224,7 +230,7 @@ def test_speculators_reads_the_export_and_its_teacher_agrees(run: dict, tmp_path
         assert got["manifest_agreement"] == manifests[d]["agreement"]["agreement"] > 0.9
         assert got["shards_agreement_same_positions"] == got["manifest_agreement"]
         assert abs(got["speculators_teacher_agreement"] - got["manifest_agreement"]) <= 0.02
-    assert info["self_check"]["final_state_max_rel_error"] < spec.FINAL_STATE_TOLERANCE["bfloat16"]
+    assert info["self_check"]["final_state_max_rel_error"] < FINAL_STATE_TOLERANCE["bfloat16"]
     # Its vocabulary builder over token_freq.pt gives the d2t/t2d files.
     freq = torch.load(out / "token_freq.pt", weights_only=True)
     d2t, t2d = build_vocab_mappings_from_distribution(freq, 32, len(np.load(out / "t2d-32.npy")))
@@ -251,7 +257,7 @@ def _rewrite_states(out: Path, change) -> None:
 def test_post_norm_state_handed_over_as_is_fails_loudly(run: dict, tmp_path: Path) -> None:
     out = tmp_path / "speculators"
     _export(run, out)
-    info = json.loads((out / spec.EXPORT_JSON).read_text())
+    info = json.loads((out / EXPORT_JSON).read_text())
     posts = {}
     for d in DATASETS:
         data = HiddenStateDataset(
@@ -304,7 +310,7 @@ def test_the_export_is_atomic_and_deterministic(tmp_path: Path, model: str, monk
     _export(run, out)
     assert _digest(out) == first
     _export(run, out, seed=1)
-    info = json.loads((out / spec.EXPORT_JSON).read_text())
+    info = json.loads((out / EXPORT_JSON).read_text())
     assert _digest(out)["hidden_states/hs_0.safetensors"] != first["hidden_states/hs_0.safetensors"]
     assert info["seed"] == 1
 
@@ -372,10 +378,10 @@ def test_fp8_shards_are_exported_dequantized(tmp_path: Path) -> None:
     run = _write_run(tmp_path / "data", model_dir, storage_dtype="float8_e4m3fn")
     out = tmp_path / "speculators"
     _export(run, out, dtype="float32")
-    info = json.loads((out / spec.EXPORT_JSON).read_text())
+    info = json.loads((out / EXPORT_JSON).read_text())
     check = info["self_check"]
     assert check["final_state_max_rel_error"] < check["final_state_tolerance"]
-    assert check["final_state_tolerance"] == spec.FP8_FINAL_STATE_TOLERANCE
+    assert check["final_state_tolerance"] == FP8_FINAL_STATE_TOLERANCE
     # The aux states are the loader's dequantized values, exactly (float32: no rounding).
     first = info["rows"][0]
     data = HiddenStateDataset(run[first["dataset"]])

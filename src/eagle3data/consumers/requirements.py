@@ -43,8 +43,9 @@ DATASETS = Package("datasets", "datasets", no_deps=False)
 # What ``export.speculators`` imports: speculators' own reader checks the folder, through
 # hs-connectors, and the rows are written with ``datasets``.
 SPECULATORS_EXPORT = (SPECULATORS, HS_CONNECTORS, DATASETS)
-# The modules the export's self-check imports (consumers/speculators.py): importing them at
-# the start also finds what speculators itself lacks (it is installed without its deps).
+# The modules the export's self-check imports (consumers/speculators_check.py): importing
+# them at the start also finds what speculators itself lacks (it is installed without its
+# deps).
 SPECULATORS_EXPORT_IMPORTS = (
     "hs_connectors",
     "datasets",

@@ -1,24 +1,8 @@
 """Export validated shards as vLLM speculators' (0.9.0) offline EAGLE-3 training data.
 
-speculators trains from one folder (``speculators train --data-path``)::
-
-    {out}/                       an HF ``datasets`` folder (``save_to_disk``, torch format)
-        input_ids   [L] int64    one row per conversation; row i's states are hs_i
-        loss_mask   [L] int64 (0/1)
-        seq_len     int64
-    {out}/hidden_states/hs_{i}.safetensors
-        hidden_states  [L, 4, H]  export dtype: the three aux layers (in the recorded
-                                  layer order), then the final layer's output BEFORE the
-                                  final norm
-        token_ids      [L] int64  equal to row i's input_ids (else speculators drops it)
-    {out}/d2t-{N}.npy, t2d-{N}.npy   the draft vocabulary (results/vocab/draft_vocab.pt)
-    {out}/token_freq.pt          {token id: count} over the supervised tokens
-    {out}/export.json            layer ids, the ``speculators train`` command, the rows'
-                                 origin and the self-check's numbers (ignored by speculators)
-
-(``speculators/train/data.py::ArrowDataset``, ``hs_connectors`` ``FileTransfer``,
-``speculators/train/cli.py::parse_vocab_mappings``). Every dataset of the config is one
-training folder, its rows in a seeded order (speculators splits train/val by row index).
+speculators trains from one folder (its layout: :mod:`.speculators_format`). Every dataset
+of the config is one training folder, its rows in a seeded order (speculators splits
+train/val by row index).
 
 The final state: speculators computes the teacher as ``lm_head(verifier_norm(last))`` with
 its own ``LlamaRMSNorm`` carrying the checkpoint's ``model.norm.weight``, so it needs the
@@ -37,13 +21,9 @@ FP8 shards are dequantized by the loader. speculators' own FP8 layout (``hs_conn
 channels of each layer, so it cannot hold our values without a second rounding (and the
 final state is divided by the norm weight anyway).
 
-After writing, the export is read back through speculators' own ``ArrowDataset``,
-``check_hidden_states`` and ``CollateFn``, and checked: the aux states equal the shards'
-(rounded once to the export dtype), speculators' norm of the exported final state equals
-the shards' post-norm state, and the teacher computed as speculators computes it (its norm
-class, its weight loader) agrees with the next token as the manifest's agreement says, on
-the same positions. The folder is written under ``results/.work/`` and renamed into place
-when complete and checked, so ``results/speculators/`` exists only whole.
+After writing, the export is read back and checked through speculators' own code
+(:mod:`.speculators_check`). The folder is written under ``results/.work/`` and renamed
+into place when complete and checked, so ``results/speculators/`` exists only whole.
 """
 
 from __future__ import annotations
@@ -53,7 +33,6 @@ import logging
 import os
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +41,7 @@ import torch
 
 from ..atomic import atomic_directory
 from ..errors import ModelConfigError, SpeculatorsExportError
-from ..hidden_states import agreement
 from ..hidden_states.final_state import (
-    POST_NORM,
     PRE_NORM,
     final_state_of,
     plain_rms_norm_weight,
@@ -73,37 +50,27 @@ from ..hidden_states.final_state import (
 )
 from ..loader import HiddenStateDataset
 from ..model_config import hidden_size as config_hidden_size
-from ..model_config import read_model_config, rms_norm_eps
+from ..model_config import read_model_config
+from .speculators_check import verify_speculators_export
+from .speculators_format import (
+    EXPORT_DTYPES,
+    EXPORT_JSON,
+    FORMAT,
+    HIDDEN_STATES,
+    SPECULATORS_NORM_KEY,
+    Row,
+    shard_manifest,
+)
 
 __all__ = [
-    "EXPORT_JSON",
     "SpeculatorsExportError",
     "export_speculators",
     "final_norm_weight",
-    "verify_speculators_export",
 ]
 
 log = logging.getLogger(__name__)
 
-EXPORT_JSON = "export.json"
-HIDDEN_STATES = "hidden_states"
-FORMAT = "speculators-0.9-offline"
-# speculators trains in bf16 or float32 (--hidden-states-dtype; it refuses float16).
-EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-# Agreement of speculators' teacher vs the manifest's, on the same positions: the export
-# dtype's rounding flips a few near-ties, a wrong norm convention costs ~0.6.
-AGREEMENT_TOLERANCE = 0.02
-# speculators' norm of the exported final state vs the shards' post-norm state, relative to
-# the state's RMS per token: the export dtype's rounding, twice (bf16: 2^-8 each).
-FINAL_STATE_TOLERANCE = {"bfloat16": 0.01, "float32": 1e-4}
-# FP8 shards: the norm re-normalizes their rounding noise (3 mantissa bits), ~1% of the RMS.
-FP8_FINAL_STATE_TOLERANCE = 0.05
-# Draft architecture of the command line (speculators' default for eagle3): its
-# verifier_norm is this architecture's norm class.
-DRAFT_ARCH = "llama"
 _DEFAULT_TOTAL_SEQ_LEN = 8192
-# speculators' checkpoint key of the final norm (speculators/model.py).
-_SPECULATORS_NORM_KEY = "model.norm.weight"
 
 
 # ------------------------------------------------------------------ the final norm
@@ -118,7 +85,7 @@ def teacher_norm_weight(model_path: str | Path, *, trust_remote_code: bool = Fal
         return plain_rms_norm_weight(model_path, trust_remote_code=trust_remote_code)
     except ModelConfigError as exc:
         raise SpeculatorsExportError(
-            f"{exc}; speculators' teacher applies that RMSNorm with {_SPECULATORS_NORM_KEY} "
+            f"{exc}; speculators' teacher applies that RMSNorm with {SPECULATORS_NORM_KEY} "
             f"to the final state, so it is wrong for this target whatever is exported; "
             f"not exported"
         ) from None
@@ -138,16 +105,6 @@ def final_norm_weight(model_path: str | Path, *, trust_remote_code: bool = False
 
 
 # ------------------------------------------------------------------ writing
-
-
-@dataclass(frozen=True)
-class _Row:
-    dataset: int  # position in the datasets list
-    index: int  # conversation number within the dataset
-
-
-def _manifest(shard_dir: str) -> dict[str, Any]:
-    return json.loads((Path(shard_dir) / "manifest.json").read_text(encoding="utf-8"))
 
 
 def _common_attrs(manifests: Sequence[Mapping[str, Any]], datasets: Sequence[str]) -> dict:
@@ -170,10 +127,10 @@ def _common_attrs(manifests: Sequence[Mapping[str, Any]], datasets: Sequence[str
     return dict(first)
 
 
-def row_order(counts: Sequence[int], seed: int) -> list[_Row]:
+def row_order(counts: Sequence[int], seed: int) -> list[Row]:
     """Every conversation of every dataset, in a seeded order (a permutation of the
     datasets' conversations in config order)."""
-    rows = [_Row(d, i) for d, n in enumerate(counts) for i in range(n)]
+    rows = [Row(d, i) for d, n in enumerate(counts) for i in range(n)]
     order = np.random.default_rng(seed).permutation(len(rows))
     return [rows[k] for k in order]
 
@@ -249,7 +206,7 @@ def export_speculators(
             f"states only (--hidden-states-dtype refuses float16)"
         )
     torch_dtype = EXPORT_DTYPES[dtype]
-    manifests = [_manifest(d) for d in shard_dirs]
+    manifests = [shard_manifest(d) for d in shard_dirs]
     attrs = _common_attrs(manifests, datasets)
     stored = final_state_of(attrs, shard_dirs[0] if shard_dirs else out_dir)
     if stored == PRE_NORM:
@@ -393,239 +350,3 @@ def _fingerprint(origin: Sequence[Mapping[str, Any]], dtype: str, seed: int) -> 
 
     digest = hashlib.sha256(json.dumps([origin, dtype, seed], sort_keys=True).encode())
     return digest.hexdigest()[:16]
-
-
-# ------------------------------------------------------------------ the self-check
-
-
-class _Rows:
-    """One shard's conversations as read back from the export, in the shape
-    :func:`agreement.shard_agreement` reads a shard (the same positions are sampled)."""
-
-    def __init__(self, path: str, samples: Sequence[Mapping[str, Any]], states: str, h: int):
-        self.path = path
-        self.hidden_size = h
-        self.sample_ids = [s["id"] for s in samples]
-        self.input_ids = np.concatenate([s["input_ids"] for s in samples])
-        self.loss_mask = np.concatenate([s["loss_mask"] for s in samples])
-        lengths = [len(s["input_ids"]) for s in samples]
-        self.sample_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        self._states = torch.cat([s[states] for s in samples])
-
-    def last_hidden_states(self, as_torch: bool = True) -> torch.Tensor:
-        return self._states
-
-
-def _turns(responses: Sequence[str] | None, n: int) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = [{} for _ in range(n)]
-    for k, path in enumerate(responses or []):
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
-                    record = json.loads(line)
-                    out[k][record["id"]] = agreement.turn_records(record)
-    return out
-
-
-def verify_speculators_export(
-    export_dir: str | Path,
-    *,
-    datasets: Sequence[str],
-    shard_dirs: Sequence[str],
-    model_path: str,
-    dtype: str = "bfloat16",
-    rows: Sequence[_Row] | None = None,
-    responses: Sequence[str] | None = None,
-    trust_remote_code: bool = False,
-) -> dict[str, Any]:
-    """Read the export back through speculators' own code and check it against the shards
-    (see the module docstring); raise :class:`SpeculatorsExportError` with one line on the
-    first problem, else return the numbers. ``rows``: the export's row order (default: from
-    its ``export.json``)."""
-    try:
-        from hs_connectors import FileTransfer  # noqa: F401  (speculators' data deps)
-        from speculators.data_generation.offline import check_hidden_states
-        from speculators.models.eagle3.model_definitions import model_classes
-        from speculators.train.data import ArrowDataset, CollateFn
-        from speculators.train.recovery import SampleUnavailable
-        from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-        from speculators.utils.loading import load_model_layers
-    except ImportError as exc:
-        raise SpeculatorsExportError(
-            f"the speculators export checks itself with speculators' own code, which does "
-            f"not import ({exc}); install speculators==0.9.0 "
-            f"(docs/how-to/training.md, 'speculators export')"
-        ) from None
-
-    export_dir = Path(export_dir)
-    if rows is None:
-        info = json.loads((export_dir / EXPORT_JSON).read_text(encoding="utf-8"))
-        position = {(r["dataset"], r["id"]): k for k, r in enumerate(info["rows"])}
-    torch_dtype = EXPORT_DTYPES[dtype]
-    raw_config = read_model_config(model_path)
-    h = config_hidden_size(raw_config)
-    weights = load_model_layers(
-        ["embed_tokens.weight", "lm_head.weight", _SPECULATORS_NORM_KEY], model_path
-    )
-    head = weights.get("lm_head.weight", weights["embed_tokens.weight"])
-    norm = model_classes[DRAFT_ARCH].norm_class(h, eps=rms_norm_eps(raw_config))
-    norm.load_state_dict({"weight": weights[_SPECULATORS_NORM_KEY].float()})
-    data = ArrowDataset(
-        max_len=1 << 30,
-        datapath=str(export_dir),
-        on_missing="raise",
-        hidden_states_dtype=torch_dtype,
-    )
-    # Compared as post-norm: what speculators' teacher must give back.
-    loaders = [
-        HiddenStateDataset(
-            d, final_state=POST_NORM, model=model_path, trust_remote_code=trust_remote_code
-        )
-        for d in shard_dirs
-    ]
-    if rows is not None:
-        position = {(r.dataset, r.index): k for k, r in enumerate(rows)}
-    if len(data) != sum(len(x) for x in loaders):
-        raise SpeculatorsExportError(
-            f"{export_dir}: speculators reads {len(data)} rows, the shards hold "
-            f"{sum(len(x) for x in loaders)} conversations"
-        )
-    # Token frequencies reproduce the draft vocabulary as speculators would build it.
-    n = next(export_dir.glob("d2t-*.npy")).name[4:-4]
-    d2t = torch.from_numpy(np.load(export_dir / f"d2t-{n}.npy"))
-    t2d = torch.from_numpy(np.load(export_dir / f"t2d-{n}.npy"))
-    freq = torch.load(export_dir / "token_freq.pt", weights_only=True)
-    if freq:
-        want_d2t, want_t2d = build_vocab_mappings_from_distribution(freq, int(n), t2d.numel())
-        if not (torch.equal(want_d2t, d2t) and torch.equal(want_t2d, t2d)):
-            raise SpeculatorsExportError(
-                f"{export_dir}: speculators' vocabulary builder over token_freq.pt does not "
-                f"give d2t-{n}.npy/t2d-{n}.npy: the draft vocabulary is not this data's"
-            )
-    our_head = agreement.load_head(model_path)
-    end_of_turn = agreement.end_of_turn_ids(model_path)
-    turns = _turns(responses, len(shard_dirs))
-    worst_final = 0.0
-    results: dict[str, Any] = {}
-    manifests = [_manifest(d) for d in shard_dirs]
-    for d, (name, loader) in enumerate(zip(datasets, loaders, strict=True)):
-        manifest = manifests[d]
-        section = manifest.get("agreement") or {}
-        count = (section.get("settings") or {}).get("positions_per_shard", 2048)
-        count = None if count == "all" else int(count)
-        spec_total, ours_total = agreement.AgreementStats(), agreement.AgreementStats()
-        start = 0
-        for k, shard in enumerate(loader.shards):
-            samples = []
-            for j in range(start, start + shard.num_samples):
-                key = (d, j) if rows is not None else (name, loader[j]["id"])
-                r = position[key]
-                ours = loader[j]
-                got = data[r]
-                if isinstance(got, SampleUnavailable):
-                    raise SpeculatorsExportError(
-                        f"{export_dir}: speculators' dataset drops row {r} ({name} "
-                        f"{ours['id']}): {got.reason}"
-                    )
-                raw = data.transfer.get_cached(r)
-                try:
-                    check_hidden_states(raw, ours["input_ids"].tolist())
-                except ValueError as exc:
-                    raise SpeculatorsExportError(
-                        f"{export_dir}: row {r} ({name} {ours['id']}) fails speculators' "
-                        f"check_hidden_states: {str(exc)[:200]}"
-                    ) from None
-                length = int(ours["input_ids"].numel())
-                # Its collate takes the row (one row: a buffer of the row's length).
-                CollateFn(max(length, 1), h, num_target_layers=3, dtype=torch_dtype)([got])
-                if (
-                    raw["hidden_states"].shape != (length, 4, h)
-                    or raw["hidden_states"].dtype != torch_dtype
-                ):
-                    raise SpeculatorsExportError(
-                        f"{export_dir}: hs_{r}.safetensors holds {raw['hidden_states'].dtype} "
-                        f"{list(raw['hidden_states'].shape)}, not {dtype} [{length}, 4, {h}]"
-                    )
-                if not torch.equal(got["loss_mask"], ours["loss_mask"]):
-                    raise SpeculatorsExportError(
-                        f"{export_dir}: row {r} ({name} {ours['id']}): loss_mask differs from "
-                        f"the shards'"
-                    )
-                want_aux = ours["aux_hidden_states"].to(torch_dtype)
-                if not torch.equal(got["hidden_states"], want_aux):
-                    layers = [
-                        i
-                        for i in range(3)
-                        if not torch.equal(
-                            got["hidden_states"][:, i * h : (i + 1) * h],
-                            want_aux[:, i * h : (i + 1) * h],
-                        )
-                    ]
-                    raise SpeculatorsExportError(
-                        f"{export_dir}: row {r} ({name} {ours['id']}): aux layer(s) {layers} "
-                        f"of speculators' hidden_states differ from the shards' (recorded "
-                        f"order {manifest.get('attrs', {}).get('aux_hidden_states_indices')})"
-                    )
-                post = ours["last_hidden_states"].float()
-                with torch.no_grad():
-                    teacher = norm(got["verifier_last_hidden_states"].float())
-                # Per token: RMS of the difference over the RMS of the state.
-                rel = (teacher - post).pow(2).mean(-1).sqrt() / post.pow(2).mean(-1).sqrt()
-                worst = float(rel.nan_to_num(0.0).max()) if length else 0.0
-                worst_final = max(worst_final, worst)
-                samples.append(
-                    {
-                        "id": ours["id"],
-                        "input_ids": ours["input_ids"].numpy(),
-                        "loss_mask": ours["loss_mask"].numpy(),
-                        "teacher": teacher,
-                        "post": post,
-                    }
-                )
-            start += shard.num_samples
-            if not samples:
-                continue
-            for states, total in (("teacher", "spec"), ("post", "ours")):
-                stats = agreement.shard_agreement(
-                    _Rows(str(shard.path), samples, states, h),
-                    head if states == "teacher" else our_head,
-                    end_of_turn,
-                    count,
-                    seed=k,
-                    turns=turns[d],
-                )
-                if total == "spec":
-                    spec_total = spec_total.combine(stats)
-                else:
-                    ours_total = ours_total.combine(stats)
-        loader.close()
-        spec, ours_summary = spec_total.summary(), ours_total.summary()
-        reference = section.get("agreement", ours_summary["agreement"])
-        results[name] = {
-            "positions": spec["positions"],
-            "speculators_teacher_agreement": spec["agreement"],
-            "manifest_agreement": section.get("agreement"),
-            "shards_agreement_same_positions": ours_summary["agreement"],
-        }
-        if spec["positions"] and abs(spec["agreement"] - reference) > AGREEMENT_TOLERANCE:
-            raise SpeculatorsExportError(
-                f"{name}: the teacher speculators computes from the export "
-                f"(lm_head(verifier_norm(last))) agrees with the next token at "
-                f"{spec['agreement']:.4f}, the manifest says {reference:.4f} over the same "
-                f"{spec['positions']} positions: the final state is not what speculators expects"
-            )
-    tolerance = FINAL_STATE_TOLERANCE[dtype]
-    if any((m.get("attrs") or {}).get("storage_dtype") == "float8_e4m3fn" for m in manifests):
-        tolerance = max(tolerance, FP8_FINAL_STATE_TOLERANCE)
-    if worst_final > tolerance:
-        raise SpeculatorsExportError(
-            f"{export_dir}: speculators' verifier norm of the exported final state differs "
-            f"from the shards' post-norm state by {worst_final:.3g} of its RMS (tolerance "
-            f"{tolerance}): the final state is not the pre-norm one"
-        )
-    return {
-        "read_by": "speculators.train.data.ArrowDataset, CollateFn, check_hidden_states",
-        "final_state_max_rel_error": worst_final,
-        "final_state_tolerance": tolerance,
-        "agreement": results,
-    }

@@ -21,9 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..gpu_slots import VISIBLE_ENV, held_gpu_count, parse_visible
-from .final_state import final_state_of
 from .layers import AuxLayers
-from .settings import hidden_state_dtype
+from .settings import CaptureSettings
 
 if TYPE_CHECKING:
     import torch
@@ -62,42 +61,41 @@ def job_gpu_count() -> int:
 
 def build_extractor(
     model_path: str,
-    hidden_cfg: Mapping[str, Any],
-    model_dtype: str,
+    capture: CaptureSettings,
     *,
     sglang_engine_factory: Callable[[Mapping[str, Any]], Any] | None = None,
     job: str = "capture",
 ) -> Extractor:
-    """The backend of ``hidden_cfg`` (the ``hidden_states`` config section, plus
-    ``trust_remote_code`` from ``model``); ``job`` names the job's requests to a server."""
-    backend = hidden_cfg.get("backend", "transformers")
+    """The backend ``capture`` names; ``job`` names the job's requests to a server."""
+    backend = capture.backend
     common: dict[str, Any] = {
-        "aux_layers": hidden_cfg["aux_layers"],
-        "convention": hidden_cfg["aux_layer_convention"],
-        "dtype": hidden_state_dtype(hidden_cfg, model_dtype),
-        "trust_remote_code": bool(hidden_cfg.get("trust_remote_code", False)),
-        # Absent from the settings only at the value older data holds (settings.py).
-        "final_state": final_state_of(hidden_cfg, "hidden_states settings"),
+        "aux_layers": (
+            capture.aux_layers if isinstance(capture.aux_layers, str) else list(capture.aux_layers)
+        ),
+        "convention": capture.aux_layer_convention,
+        "dtype": capture.dtype,
+        "trust_remote_code": capture.trust_remote_code,
+        "final_state": capture.final_state,
     }
     if backend == "transformers":
         from .transformers_capture import HiddenStateExtractor
 
         return HiddenStateExtractor(
-            model_path, device=hidden_cfg["device"], gpus=job_gpu_count(), **common
+            model_path, device=capture.device, gpus=job_gpu_count(), **common
         )
     if backend == "sglang":
         from .sglang_capture import SGLangCapture, start_engine
 
         return SGLangCapture(
             model_path,
-            device=hidden_cfg.get("device", "auto"),
-            options=hidden_cfg.get("sglang") or {},
-            batch_tokens=hidden_cfg.get("batch_tokens"),
+            device=capture.device,
+            options=capture.sglang,
+            batch_tokens=capture.batch_tokens,
             engine_factory=sglang_engine_factory or start_engine,
             **common,
         )
     if backend == "vllm":
         from .vllm_capture import VLLMCapture
 
-        return VLLMCapture(model_path, options=hidden_cfg.get("vllm") or {}, job=job, **common)
+        return VLLMCapture(model_path, options=capture.vllm, job=job, **common)
     raise ValueError(f"hidden_states.backend must be one of {list(BACKENDS)}, got {backend!r}")

@@ -50,14 +50,18 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import CaptureEngineError, GpuSlotTimeout
 from ..gpu_slots import GpuLease, GpuRequest, acquire_gpus
+from .settings import CaptureSettings
+
+if TYPE_CHECKING:
+    from .extraction import ShardJob
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +71,6 @@ OWNER_ENV = "EAGLE3DATA_RUN_OWNER"
 ROOT_ENV = "EAGLE3DATA_CAPTURE_ENGINE_DIR"
 # Backends that load the target themselves (vllm's server is the user's).
 LOADING_BACKENDS = ("transformers", "sglang")
-DEFAULT_IDLE_S = 300.0
 # Each engine's own log (its load, its stop, what its backend says), one per engine.
 ENGINE_LOG_DIR = "logs/capture_engines"
 _POLL_S = 0.25
@@ -126,11 +129,11 @@ def run_owner() -> str | None:
     return token if token and owner_alive(token) else None
 
 
-def uses_engine_service(hidden_cfg: Mapping[str, Any]) -> bool:
+def uses_engine_service(capture: CaptureSettings) -> bool:
     """Whether shard jobs share one engine per phase (else each loads the target)."""
     return (
-        hidden_cfg.get("backend", "transformers") in LOADING_BACKENDS
-        and hidden_cfg.get("engine_lifetime", "phase") == "phase"
+        capture.backend in LOADING_BACKENDS
+        and capture.engine_lifetime == "phase"
         and run_owner() is not None
     )
 
@@ -154,8 +157,7 @@ class EngineSpec:
 
     owner: str
     model_path: str
-    hidden_cfg: Mapping[str, Any]
-    model_dtype: str
+    capture: CaptureSettings
     threads: int | None
     workdir: str
     log_dir: str
@@ -165,8 +167,7 @@ class EngineSpec:
         return {
             "owner": self.owner,
             "model_path": self.model_path,
-            "hidden_cfg": dict(self.hidden_cfg),
-            "model_dtype": self.model_dtype,
+            "capture": self.capture.to_json(),
             "threads": self.threads,
             "workdir": self.workdir,
             "log_dir": self.log_dir,
@@ -346,14 +347,14 @@ def _wait_ready(claim: _Claim) -> Connection:
         time.sleep(_POLL_S)
 
 
-def capture_on_engine(spec: EngineSpec, gpus: GpuRequest, shard_request: Mapping[str, Any]) -> None:
-    """Have an engine of ``spec`` capture one shard (:func:`.extraction.extract_shard`'s
-    arguments); its log lines become this job's; its failure, this job's error."""
+def capture_on_engine(spec: EngineSpec, gpus: GpuRequest, job: ShardJob) -> None:
+    """Have an engine of ``spec`` capture ``job``'s shard; its log lines become this
+    job's; its failure, this job's error."""
     claim = _claim_engine(spec, gpus)
     try:
         with _wait_ready(claim) as conn:
             engine = _engine_process(claim.directory)
-            conn.send({"op": "extract", "request": dict(shard_request)})
+            conn.send({"op": "extract", "job": job})
             while True:
                 try:
                     kind, payload = conn.recv()
@@ -377,21 +378,21 @@ def capture_on_engine(spec: EngineSpec, gpus: GpuRequest, shard_request: Mapping
         claim.release()
 
 
-def capture_with_engine(*, job_gpus: GpuRequest, **shard_request: Any) -> None:
-    """The hidden_states job with a shared engine: ``shard_request`` is
-    :func:`.extraction.extract_shard`'s arguments."""
-    hidden_cfg = shard_request["hidden_cfg"]
+def capture_with_engine(
+    job: ShardJob, capture: CaptureSettings, *, threads: int | None, job_gpus: GpuRequest
+) -> None:
+    """The hidden_states job with a shared engine: :func:`.extraction.extract_shard`'s
+    arguments, and the GPUs an engine started for it takes."""
     spec = EngineSpec(
         owner=os.environ[OWNER_ENV],
-        model_path=str(Path(shard_request["model_path"]).resolve()),
-        hidden_cfg=hidden_cfg,
-        model_dtype=shard_request["model_dtype"],
-        threads=shard_request.get("threads"),
+        model_path=str(Path(job.model_path).resolve()),
+        capture=capture,
+        threads=threads,
         workdir=os.getcwd(),
         log_dir=ENGINE_LOG_DIR,
-        idle_s=float(hidden_cfg.get("engine_idle_s", DEFAULT_IDLE_S)),
+        idle_s=capture.engine_idle_s,
     )
-    capture_on_engine(spec, job_gpus, shard_request)
+    capture_on_engine(spec, job_gpus, job)
 
 
 def _engine_process(directory: Path) -> tuple[int, str] | None:
@@ -517,9 +518,8 @@ def serve(directory: Path) -> None:
         try:
             set_threads(spec["threads"])
             log.info("capture engine %s: loading %s", directory.name, spec["model_path"])
-            extractor = build_extractor(
-                spec["model_path"], spec["hidden_cfg"], spec["model_dtype"], job=directory.name
-            )
+            capture = CaptureSettings.from_json(spec["capture"])
+            extractor = build_extractor(spec["model_path"], capture, job=directory.name)
             key = secrets.token_bytes(32)
             (directory / "key").write_bytes(key)
             listener = Listener(_address(directory), family="AF_UNIX", authkey=key)
@@ -549,7 +549,8 @@ def serve(directory: Path) -> None:
                             os.getpid(),
                             shards,
                         )
-                        extract_shard(**message["request"], extractor=_Attended(extractor, conn))
+                        attended = _Attended(extractor, conn)
+                        extract_shard(message["job"], capture, extractor=attended)
                     except _ClientGone:
                         log.warning("the shard's job is gone: shard dropped, engine kept")
                         continue

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import ValidationError
 from ..model_config import read_model_config, weights_quantization
@@ -25,7 +26,7 @@ from ..tokenization.table import read_row_range
 from . import final_state, fingerprint
 from .backends import Extractor, build_extractor
 from .planning import shard_spec
-from .settings import storage_dtype
+from .settings import CaptureSettings
 
 if TYPE_CHECKING:
     import torch
@@ -117,27 +118,35 @@ def extract_into_shard(
             pending.popleft().result()
 
 
+@dataclass(frozen=True)
+class ShardJob:
+    """One hidden_states job: which shard of which dataset, read from which files (the
+    plan's spec, the tokenized rows and their stats), written where, by which target."""
+
+    dataset: str
+    shard: int
+    spec_path: str
+    tokenized_path: str
+    tokenize_stats_path: str
+    out_shard: str
+    model_path: str
+    model_label: str  # provenance only (the shards' ``model`` attribute)
+
+
 def extract_shard(
+    job: ShardJob,
+    capture: CaptureSettings,
     *,
-    dataset: str,
-    shard: int,
-    spec_path: str,
-    tokenized_path: str,
-    tokenize_stats_path: str,
-    model_path: str,
-    model_label: str,
-    hidden_cfg: Mapping[str, Any],
-    model_dtype: str,
-    out_shard: str,
     threads: int | None = None,
     extractor: Extractor | None = None,
 ) -> None:
-    """Extract shard ``shard`` as its spec describes it; ``hidden_cfg`` is the
-    ``hidden_states`` section (settings and execution keys alike). With ``extractor``
-    (a capture engine's, :mod:`.capture_service`) the target is not loaded here, and the
-    extractor stays open for the next shard."""
+    """Extract ``job``'s shard as its spec describes it. With ``extractor`` (a capture
+    engine's, :mod:`.capture_service`) the target is not loaded here, and the extractor
+    stays open for the next shard."""
     from ..torch_utils import dtype_name, set_threads
 
+    dataset, shard, spec_path = job.dataset, job.shard, job.spec_path
+    tokenized_path, tokenize_stats_path = job.tokenized_path, job.tokenize_stats_path
     spec = json.loads(Path(spec_path).read_text())
     df = read_row_range(tokenized_path, spec["start"], spec["end"])
     tok_stats = json.loads(Path(tokenize_stats_path).read_text())
@@ -152,7 +161,7 @@ def extract_shard(
     owned = extractor is None
     if extractor is None:
         set_threads(threads)
-        extractor = build_extractor(model_path, hidden_cfg, model_dtype, job=f"{dataset}-{shard}")
+        extractor = build_extractor(job.model_path, capture, job=f"{dataset}-{shard}")
     dtype = dtype_name(extractor.dtype)
     ids = df["id"].to_list()
     input_ids = df["input_ids"].to_list()
@@ -160,7 +169,7 @@ def extract_shard(
     attrs = {
         "dataset": dataset,
         "shard": shard,
-        "model": model_label,
+        "model": job.model_label,
         "tokenizer_hash": tok_stats["tokenizer_hash"],
         "chat_template_hash": tok_stats["chat_template_hash"],
         "final_state": extractor.final_state,
@@ -173,7 +182,7 @@ def extract_shard(
     }
     attrs[fingerprint.ATTR] = fingerprint.fingerprint_attr(
         {
-            "weights_quantization": weights_quantization(read_model_config(model_path)),
+            "weights_quantization": weights_quantization(read_model_config(job.model_path)),
             "aux_layer_ids": list(extractor.aux.layer_ids),
             "final_state": extractor.final_state,
             "compute_dtype": dtype,
@@ -191,12 +200,12 @@ def extract_shard(
     # Streams: each batch's rows are written at their offsets as the batch finishes.
     try:
         with ShardWriter(
-            out_shard,
+            job.out_shard,
             hidden_size=extractor.hidden_size,
             hidden_dtype=dtype,
             attrs=attrs,
-            compression=hidden_cfg.get("compression", "none"),
-            storage_dtype=storage_dtype(hidden_cfg),
+            compression=capture.compression,
+            storage_dtype=capture.storage_dtype,
         ) as writer:
             extract_into_shard(
                 extractor,
@@ -204,7 +213,7 @@ def extract_shard(
                 ids,
                 input_ids,
                 masks,
-                batch_tokens=hidden_cfg["batch_tokens"],
+                batch_tokens=capture.batch_tokens,
                 on_batch=progress,
             )
     finally:
@@ -217,4 +226,4 @@ def extract_shard(
         close = getattr(extractor, "close", None)
         if owned and close is not None:
             close()
-    log.info("%s shard %d: wrote %d conversations to %s", dataset, shard, len(ids), out_shard)
+    log.info("%s shard %d: wrote %d conversations to %s", dataset, shard, len(ids), job.out_shard)

@@ -27,7 +27,7 @@ from ..model_config import hidden_size, read_model_config, resolve_dtype_name
 from ..shards import bytes_per_token
 from ..tokenization.table import read_rows
 from ..units import human_bytes
-from .settings import hidden_state_dtype, storage_dtype
+from .settings import CaptureSettings
 
 log = logging.getLogger(__name__)
 
@@ -106,19 +106,18 @@ def plan_shards(
     tokenized_path: str,
     tokenize_stats_path: str,
     model_path: str,
-    hidden_cfg: Mapping[str, Any],
-    model_dtype: str,
+    capture: CaptureSettings,
     out_plan: str,
     spec_dir: str,
 ) -> None:
     model_config = read_model_config(model_path)
-    dtype = resolve_dtype_name(hidden_state_dtype(hidden_cfg, model_dtype), model_config)
+    dtype = resolve_dtype_name(capture.dtype, model_config)
     width = hidden_size(model_config)
-    storage = storage_dtype(hidden_cfg)
+    storage = capture.storage_dtype
     per_token = bytes_per_token(width, dtype, storage)
     rows = read_rows(tokenized_path)  # once: the slices below are views
     lengths = rows["num_tokens"].to_list()
-    shards = cut_shards(lengths, max(1, hidden_cfg["shard_bytes"] // per_token))
+    shards = cut_shards(lengths, max(1, capture.shard_bytes // per_token))
     total = sum(lengths)
     check_disk_space(dataset, Path(out_plan).parent, total * per_token)
     tok_stats = json.loads(Path(tokenize_stats_path).read_text())

@@ -12,10 +12,12 @@ the states, and the settings, so shards are extracted again.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from .final_state import OLDER_FINAL_STATE
+from .final_state import OLDER_FINAL_STATE, final_state_of
 
 # hidden_states.* keys that say how a shard is computed, not what it holds.
 EXECUTION_KEYS = (
@@ -44,17 +46,73 @@ def execution_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     and whether the model's own code may be loaded (``model.trust_remote_code``: it
     decides whether the model loads at all, never what the states are)."""
     execution = {k: v for k, v in config["hidden_states"].items() if k in EXECUTION_KEYS}
-    execution["trust_remote_code"] = config["model"].get("trust_remote_code", False)
+    execution["trust_remote_code"] = config["model"]["trust_remote_code"]
     return execution
 
 
-def storage_dtype(hidden_cfg: Mapping[str, Any]) -> str | None:
-    """``hidden_states.storage_dtype``: None (``auto``, absent) stores the forward dtype."""
-    value = hidden_cfg.get("storage_dtype", "auto")
-    return None if value == "auto" else value
+@dataclass(frozen=True)
+class CaptureSettings:
+    """The ``hidden_states`` section as the capture reads it, parsed once at the job's edge
+    (:meth:`parse`) and passed down: every default is the schema's, filled in when the
+    config is validated; nothing below reads the section again."""
 
+    backend: str
+    aux_layers: str | tuple[int, ...]  # "auto" or the layer ids
+    aux_layer_convention: str
+    # The forward dtype before ``auto`` resolves from the checkpoint: hidden_states.dtype,
+    # else model.dtype.
+    dtype: str
+    final_state: str
+    storage_dtype: str | None  # None: the forward dtype
+    device: str
+    shard_bytes: int
+    batch_tokens: int
+    compression: str
+    # Execution only (EXECUTION_KEYS and model.trust_remote_code): how, not what.
+    trust_remote_code: bool
+    engine_lifetime: str
+    engine_idle_s: float
+    sglang: Mapping[str, Any]
+    vllm: Mapping[str, Any]
 
-def hidden_state_dtype(hidden_cfg: Mapping[str, Any], model_dtype: str) -> str:
-    """The dtype hidden states are computed and stored in, before ``auto`` is resolved
-    from the model (``hidden_states.dtype``, defaulting to ``model.dtype``)."""
-    return model_dtype if hidden_cfg["dtype"] == "auto" else hidden_cfg["dtype"]
+    @classmethod
+    def parse(cls, settings: Mapping[str, Any], execution: Mapping[str, Any]) -> CaptureSettings:
+        """From the rules' ``params.settings`` (:func:`hidden_state_settings`, JSON-decoded)
+        and :func:`execution_settings`. The keys that settings leave out at the value older
+        data holds (``_LATER_DEFAULTS``) come back at that value."""
+        hidden = {**_LATER_DEFAULTS, **settings["hidden_states"], **execution}
+        aux = hidden["aux_layers"]
+        return cls(
+            backend=hidden["backend"],
+            aux_layers=aux if isinstance(aux, str) else tuple(int(i) for i in aux),
+            aux_layer_convention=hidden["aux_layer_convention"],
+            dtype=settings["dtype"] if hidden["dtype"] == "auto" else hidden["dtype"],
+            final_state=final_state_of(hidden, "hidden_states settings"),
+            storage_dtype=None if hidden["storage_dtype"] == "auto" else hidden["storage_dtype"],
+            device=hidden["device"],
+            shard_bytes=int(hidden["shard_bytes"]),
+            batch_tokens=int(hidden["batch_tokens"]),
+            compression=hidden["compression"],
+            trust_remote_code=bool(hidden["trust_remote_code"]),
+            engine_lifetime=hidden["engine_lifetime"],
+            engine_idle_s=float(hidden["engine_idle_s"]),
+            sglang=dict(hidden["sglang"]),
+            vllm=dict(hidden["vllm"]),
+        )
+
+    @classmethod
+    def of_config(cls, config: Mapping[str, Any]) -> CaptureSettings:
+        """From a validated config (its defaults filled in)."""
+        return cls.parse(hidden_state_settings(config), execution_settings(config))
+
+    def to_json(self) -> dict[str, Any]:
+        """What :meth:`from_json` reads back (a capture engine's spec file)."""
+        out = dataclasses.asdict(self)
+        if not isinstance(self.aux_layers, str):
+            out["aux_layers"] = list(self.aux_layers)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CaptureSettings:
+        aux = data["aux_layers"]
+        return cls(**{**data, "aux_layers": aux if isinstance(aux, str) else tuple(aux)})

@@ -47,6 +47,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from .. import model_config
 from ..errors import VLLMCaptureError
+from ..schema import schema_defaults
 from ..servers.http import (
     RETRY_STATUS,
     TransientError,
@@ -68,14 +69,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
-DEFAULT_OPTIONS: dict[str, Any] = {
-    "url": None,
-    "model": None,
-    "max_in_flight": 32,
-    "request_timeout_s": 600.0,
-    "max_retries": 3,
-    "api_key_env": None,
-}
 # The prompt of the probe request: two tokens of any id the vocabulary has.
 _PROBE_IDS = [0, 1]
 
@@ -211,8 +204,9 @@ class VLLMCapture:
             final_state=final_state,
             error=VLLMCaptureError,
         )
-        opts = {**DEFAULT_OPTIONS, **(options or {})}
-        if not opts["url"]:
+        # The config's section holds every default; given by hand, the schema's fill it.
+        opts = {**schema_defaults("hidden_states", "vllm"), **(options or {})}
+        if not opts.get("url"):
             raise VLLMCaptureError(
                 "hidden_states.backend is vllm but hidden_states.vllm.url is not set: name the "
                 "capture server's OpenAI base URL, e.g. http://gpu-node-1:8000/v1"

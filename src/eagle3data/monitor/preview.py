@@ -28,7 +28,7 @@ import polars as pl
 
 from ..generation.records import SUMMARY_SCHEMA
 from ..generation.settings import journal_key
-from ..hidden_states.settings import hidden_state_dtype, storage_dtype
+from ..hidden_states.settings import CaptureSettings
 from ..layout import JOURNAL, PROMPTS, STATUS_CACHE, Results
 from ..model_config import hidden_size, read_model_config, resolve_dtype_name
 from ..prompts.table import prompt_order
@@ -60,11 +60,11 @@ def model_bytes_per_token(config: Mapping[str, Any]) -> int | None:
     if not (model_path / "config.json").is_file():
         return None
     model_config = read_model_config(model_path)
-    requested = hidden_state_dtype(config["hidden_states"], config["model"]["dtype"])
+    capture = CaptureSettings.of_config(config)
     return bytes_per_token(
         hidden_size(model_config),
-        resolve_dtype_name(requested, model_config),
-        storage_dtype(config["hidden_states"]),
+        resolve_dtype_name(capture.dtype, model_config),
+        capture.storage_dtype,
     )
 
 

@@ -62,7 +62,7 @@ rule validate:
             "agreement": config["validate"]["agreement"],
             "retokenize_samples": config["validate"]["retokenize_samples"],
             "tokenize": tokenize_settings(config),
-            "trust_remote_code": config["model"].get("trust_remote_code", False),
+            "trust_remote_code": config["model"]["trust_remote_code"],
         },
     script:
         "../scripts/validate_shards.py"

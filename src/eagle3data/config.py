@@ -118,10 +118,10 @@ def _gpu_problems(config: Mapping[str, Any]) -> list[str]:
     where both are given (``auto`` asks the machine, which the driver may not be)."""
     from .gpu_slots import job_gpus
 
-    count = (config.get("gpus") or {}).get("count", "auto")
+    count = config["gpus"]["count"]
     problems = []
     for stage in ("generation", "hidden_states"):
-        if config[stage].get("gpus_per_job", "auto") == "auto" and count == "auto":
+        if config[stage]["gpus_per_job"] == "auto" and count == "auto":
             continue  # resolved by the rules, from the machine itself
         try:
             gpus = job_gpus(config, stage)

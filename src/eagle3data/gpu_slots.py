@@ -286,12 +286,12 @@ class GpuRequest:
     def of_job(cls, snakemake: Any) -> Self:
         """A Snakemake script job's request: ``resources.gpu`` GPUs; machine size and
         timeout from the ``gpus`` config section (how to run, so not a rule param)."""
-        settings = snakemake.config.get("gpus", {}) or {}
-        total = settings.get("count", "auto")
+        settings = snakemake.config["gpus"]  # validated: the schema's defaults are in
+        total = settings["count"]
         return cls(
             count=int(getattr(snakemake.resources, "gpu", 0) or 0),
             machine_gpus=None if total == "auto" else int(total),
-            timeout_s=float(settings.get("lock_timeout_s", 600)),
+            timeout_s=float(settings["lock_timeout_s"]),
         )
 
     def acquire(self) -> GpuLease | None:

@@ -43,7 +43,7 @@ def config(model: Path | str, **generation: Any) -> dict[str, Any]:
         "sampling": SAMPLING,
         **generation,
     }
-    model_cfg = {"path": str(model), "name": "tiny", "dtype": "auto"}
+    model_cfg = {"path": str(model), "name": "tiny", "dtype": "auto", "trust_remote_code": False}
     return {"model": {**model_cfg, "chat_template_kwargs": {"thinking": True}}, "generation": gen}
 
 

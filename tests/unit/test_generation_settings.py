@@ -15,7 +15,13 @@ from eagle3data.hidden_states.settings import hidden_state_settings
 
 def _config(**sampling) -> dict:
     return {
-        "model": {"path": "m", "name": None, "dtype": "auto", "chat_template_kwargs": {}},
+        "model": {
+            "path": "m",
+            "name": None,
+            "dtype": "auto",
+            "chat_template_kwargs": {},
+            "trust_remote_code": False,
+        },
         "generation": {
             "backend": "transformers",
             "batch_size": 8,

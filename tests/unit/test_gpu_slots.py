@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from support.settings import validated_config
 from support.workflow import REPO
 
 from eagle3data import gpu_slots
@@ -291,7 +292,7 @@ def test_a_snakemake_jobs_request(tmp_path, monkeypatch):
     finally:
         assert lease is not None
         lease.release()
-    cpu_job = SimpleNamespace(resources=SimpleNamespace(gpu=0), config={})
+    cpu_job = SimpleNamespace(resources=SimpleNamespace(gpu=0), config=validated_config())
     assert GpuRequest.of_job(cpu_job) == GpuRequest(count=0)
     assert GpuRequest.of_job(cpu_job).acquire() is None
 

@@ -96,7 +96,7 @@ def execution_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     whether the model loads at all, never what it generates)."""
     gen = config["generation"]
     execution = {key: gen[key] for key in EXECUTION_KEYS if key in gen}
-    execution["trust_remote_code"] = config["model"].get("trust_remote_code", False)
+    execution["trust_remote_code"] = config["model"]["trust_remote_code"]
     return execution
 
 

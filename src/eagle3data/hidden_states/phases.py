@@ -95,7 +95,7 @@ def next_phase_line(config: Mapping[str, Any], root: Path = Path(".")) -> str:
         server = f"; the generation server ({', '.join(local)}) must be up" if local else ""
         if capture_waits_for_all(config):
             then = "capture waits until every dataset is generated and tokenized"
-        elif config["hidden_states"].get("share_gpus_with_generation", True):
+        elif config["hidden_states"]["share_gpus_with_generation"]:
             then = "capture overlaps it (its jobs take no GPU here)"
         else:
             then = "capture overlaps it (hidden_states.share_gpus_with_generation: false)"

@@ -517,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     depth = model_config.num_hidden_layers(config_json)
     aux = resolve_aux_layers(hidden["aux_layers"], depth, hidden["aux_layer_convention"])
     extra = list(args.extra)
-    if config["model"].get("trust_remote_code") and "--trust-remote-code" not in extra:
+    if config["model"]["trust_remote_code"] and "--trust-remote-code" not in extra:
         extra.append("--trust-remote-code")
     if config["generation"]["backend"] == "openai":
         # The generate stage may talk to this server (docs/how-to/vllm.md, "One server for

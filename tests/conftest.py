@@ -58,6 +58,19 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
+def in_group(item: pytest.Item, group: str) -> None:
+    """Schedule ``item`` with ``group``: loadgroup reads the group from the nodeid the
+    worker reports, after its last "@". xdist's own ``xdist_group`` mark does that by
+    setting ``item._nodeid``, which pytest 9.2 no longer reads (it builds the nodeid from
+    ``item._id``): with xdist 3.8.0 the mark groups nothing, and each worker built the
+    shared runs and ran the index resolutions for itself. Setting ``_id`` is pytest's
+    internals, as xdist's way is: tests/project/test_test_files.py fails when it stops
+    working."""
+    from _pytest.nodeid import NodeId
+
+    item._id = NodeId.parse(f"{item.nodeid}@{group}")  # type: ignore[attr-defined]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
@@ -67,7 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = next((run for run in SHARED_RUNS if run in fixtures), item.nodeid.split("::")[0])
         if item.path.parent.name in SERVER_SUITES:
             group = item.path.parent.name  # one real server at a time: they time their kills
-        item.add_marker(pytest.mark.xdist_group(group))
+        in_group(item, group)
         groups.setdefault(group, []).append(item)
 
     def weight(group: list[pytest.Item]) -> int:

@@ -149,6 +149,7 @@ def write_datasets(root: Path, url: str, args: argparse.Namespace, lengths: str)
                     "extra_body": {},
                 },
                 "execution": {
+                    "device": "auto",
                     "endpoints": [url],
                     "api_key_env": None,
                     "concurrency": args.concurrency,
@@ -171,11 +172,14 @@ def write_datasets(root: Path, url: str, args: argparse.Namespace, lengths: str)
 def run_job(root: str, arguments: str) -> None:
     """``--job``: one dataset's generate job in this process; prints when it generated."""
     os.chdir(root)
+    from eagle3data.generation.settings import GenerationSettings
     from eagle3data.generation.stage import generate
     from eagle3data.layout import Results
 
+    job = json.loads(arguments)
+    settings = GenerationSettings.parse(job.pop("settings"), job.pop("execution"))
     start = time.monotonic()
-    generate(results=Results(Path(root)), **json.loads(arguments))
+    generate(results=Results(Path(root)), settings=settings, **job)
     print(json.dumps({"start": start, "end": time.monotonic()}), flush=True)
 
 

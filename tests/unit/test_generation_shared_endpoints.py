@@ -26,6 +26,7 @@ from support.workflow import REPO
 
 from eagle3data.generation.engines import endpoint_slots
 from eagle3data.generation.engines.endpoint_slots import EndpointSlots, endpoint_key, slot_root
+from eagle3data.generation.settings import GenerationSettings
 from eagle3data.generation.stage import generate
 from eagle3data.layout import Results
 from eagle3data.prompts.sources import Conversation, prompt_hash
@@ -194,7 +195,9 @@ def write_dataset(root: Path, dataset: str, n: int) -> dict[str, str]:
 
 
 def job_arguments(root: Path, model: Path, url: str, dataset: str) -> dict[str, Any]:
-    """What the generate rule passes the stage for ``dataset`` (no budget: every prompt)."""
+    """What the generate rule passes the stage for ``dataset`` (no budget: every prompt),
+    as JSON (the job below runs in a process of its own): :func:`stage_arguments` makes
+    the stage's arguments of it."""
     settings = {
         "model": "fake-model",
         "model_path": str(model),
@@ -207,6 +210,7 @@ def job_arguments(root: Path, model: Path, url: str, dataset: str) -> dict[str, 
         "extra_body": {},
     }
     execution = {
+        "device": "auto",
         "endpoints": [url],
         "api_key_env": None,
         "concurrency": CONCURRENCY,
@@ -227,6 +231,13 @@ def job_arguments(root: Path, model: Path, url: str, dataset: str) -> dict[str, 
     }
 
 
+def stage_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """``arguments`` (:func:`job_arguments`) with the settings parsed as the script does."""
+    rest = {k: v for k, v in arguments.items() if k not in ("settings", "execution")}
+    settings = GenerationSettings.parse(arguments["settings"], arguments["execution"])
+    return {"settings": settings, **rest}
+
+
 # One generate job in a process of its own, as Snakemake runs it: it imports everything,
 # waits for the go file (so that the jobs start together, whatever their import times),
 # then runs the stage in the workflow directory argv[1] with the arguments in argv[2].
@@ -234,6 +245,7 @@ JOB = textwrap.dedent(
     """
     import json, logging, os, sys, time
     from pathlib import Path
+    from eagle3data.generation.settings import GenerationSettings
     from eagle3data.generation.stage import generate
     from eagle3data.layout import Results
     root, arguments, go = Path(sys.argv[1]), json.loads(sys.argv[2]), Path(sys.argv[3])
@@ -241,7 +253,8 @@ JOB = textwrap.dedent(
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     while not go.exists():
         time.sleep(0.01)
-    generate(results=Results(root), **arguments)
+    settings = GenerationSettings.parse(arguments.pop("settings"), arguments.pop("execution"))
+    generate(results=Results(root), settings=settings, **arguments)
     """
 )
 
@@ -279,7 +292,7 @@ class Datasets:
         )
 
     def run_in_process(self, dataset: str) -> None:
-        generate(results=Results(self.root), **self.arguments[dataset])
+        generate(results=Results(self.root), **stage_arguments(self.arguments[dataset]))
 
     def output(self, dataset: str) -> bytes:
         return Path(self.arguments[dataset]["out_responses"]).read_bytes()

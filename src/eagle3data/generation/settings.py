@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,75 @@ def generation_key(settings: Mapping[str, Any], fingerprint: str) -> str:
 def journal_key(config: Mapping[str, Any]) -> str:
     """The key of the journal the current config's generation writes."""
     return generation_key(generation_settings(config), model_fingerprint(config["model"]["path"]))
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """The ``generation`` section as a generate job reads it, parsed once at the job's
+    edge (:meth:`parse`) and passed down: every default is the schema's, filled in when
+    the config was validated.
+
+    ``content`` is :func:`generation_settings` verbatim (the rule's params): the journal's
+    key is a hash of it, so it is kept as it came rather than rebuilt from the fields."""
+
+    content: Mapping[str, Any]
+    backend: str
+    model: str  # the name recorded in the rows
+    model_path: str
+    dtype: str
+    chat_template_kwargs: Mapping[str, Any]
+    seed: int
+    sampling: Mapping[str, Any]
+    batch_size: int | None  # the in-process backend's; None for HTTP
+    served_model: str | None  # HTTP only
+    extra_body: Mapping[str, Any]  # HTTP only (empty for the in-process backend)
+    # How to run (execution_settings): none of these changes what is generated.
+    device: str
+    endpoints: tuple[str, ...]
+    api_key_env: str | None
+    concurrency: int
+    request_timeout_s: float
+    max_retries: int
+    max_consecutive_failures: int
+    max_error_rate: float
+    progress_interval_s: float
+    return_token_ids: bool
+    trust_remote_code: bool
+
+    @classmethod
+    def parse(cls, settings: Mapping[str, Any], execution: Mapping[str, Any]) -> GenerationSettings:
+        """From the rule's ``params.settings`` (:func:`generation_settings`, JSON-decoded)
+        and :func:`execution_settings` of the validated config."""
+        return cls(
+            content=dict(settings),
+            backend=settings["backend"],
+            model=settings["model"],
+            model_path=settings["model_path"],
+            dtype=settings["dtype"],
+            chat_template_kwargs=dict(settings["chat_template_kwargs"]),
+            seed=int(settings["seed"]),
+            sampling=dict(settings["sampling"]),
+            batch_size=settings.get("batch_size"),  # absent for HTTP (not in the key)
+            served_model=settings.get("served_model"),  # absent in-process (likewise)
+            extra_body=dict(settings.get("extra_body") or {}),
+            device=execution["device"],
+            endpoints=tuple(execution["endpoints"]),
+            api_key_env=execution["api_key_env"],
+            concurrency=int(execution["concurrency"]),
+            request_timeout_s=float(execution["request_timeout_s"]),
+            max_retries=int(execution["max_retries"]),
+            max_consecutive_failures=int(execution["max_consecutive_failures"]),
+            max_error_rate=float(execution["max_error_rate"]),
+            progress_interval_s=float(execution["progress_interval_s"]),
+            return_token_ids=bool(execution["return_token_ids"]),
+            trust_remote_code=bool(execution["trust_remote_code"]),
+        )
+
+    @classmethod
+    def of_config(cls, config: Mapping[str, Any]) -> GenerationSettings:
+        """From a validated config (its defaults filled in)."""
+        return cls.parse(generation_settings(config), execution_settings(config))
+
+    def key(self) -> str:
+        """The journal's key (:func:`generation_key`): reads the model's files."""
+        return generation_key(self.content, model_fingerprint(self.model_path))

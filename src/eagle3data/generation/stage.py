@@ -15,7 +15,7 @@ from .driver import ErrorLimits, GenerationJob, Prompt, run_generation, write_ou
 from .engines import build_engine, is_streaming
 from .engines.endpoint_slots import slot_root
 from .records import summarise
-from .settings import generation_key, model_fingerprint
+from .settings import GenerationSettings
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +23,7 @@ log = logging.getLogger(__name__)
 def generate(
     *,
     dataset: str,
-    settings: Mapping[str, Any],
-    execution: Mapping[str, Any],
+    settings: GenerationSettings,
     token_budget: int | None,
     max_samples: int | None,
     prompts_path: str,
@@ -36,13 +35,12 @@ def generate(
     results: Results | None = None,
     threads: int | None = None,
 ) -> None:
-    """``settings``: what changes the output (the rule's params, see :mod:`.settings`);
-    ``execution``: how to run it (device, endpoints, concurrency, error limits)."""
+    """``settings``: what changes the output (the journal's key) and how to run it."""
     # Before any server is asked: tokenize will need the target's own tokenizer.
-    check_remote_code(settings["model_path"], execution.get("trust_remote_code", False))
-    key = generation_key(settings, model_fingerprint(settings["model_path"]))
+    check_remote_code(settings.model_path, settings.trust_remote_code)
+    key = settings.key()
     journal = (results or Results()).path(JOURNAL, dataset=dataset, key=key)
-    describe_journal(journal, settings)
+    describe_journal(journal, settings.content)
     job = GenerationJob(
         dataset=dataset,
         prompts=[
@@ -50,26 +48,24 @@ def generate(
             for r in iter_prompts(prompts_path)
         ],
         journal=journal,
-        model=settings["model"],
-        sampling=settings["sampling"],
-        seed=settings["seed"],
+        model=settings.model,
+        sampling=settings.sampling,
+        seed=settings.seed,
         token_budget=token_budget,
         max_samples=max_samples,
-        batch_size=settings.get("batch_size", 1),  # in-process batches only
-        progress_interval_s=execution["progress_interval_s"],
+        batch_size=settings.batch_size or 1,  # in-process batches only
+        progress_interval_s=settings.progress_interval_s,
     )
-    streaming = is_streaming(settings["backend"])
+    streaming = is_streaming(settings.backend)
     # HTTP: each endpoint's concurrency is the run's, shared with the other datasets' jobs.
     slot_dir = slot_root(results) if streaming else None
     result = run_generation(
         job,
-        lambda: build_engine(
-            settings, execution, threads=threads, label=dataset, slot_dir=slot_dir
-        ),
+        lambda: build_engine(settings, threads=threads, label=dataset, slot_dir=slot_dir),
         streaming=streaming,
         error_limits=ErrorLimits(
-            max_consecutive_failures=execution["max_consecutive_failures"],
-            max_error_rate=execution["max_error_rate"],
+            max_consecutive_failures=settings.max_consecutive_failures,
+            max_error_rate=settings.max_error_rate,
         )
         if streaming
         else None,
@@ -77,7 +73,7 @@ def generate(
     stats = dict(result.stats)
     stats["skipped_input"] = len(Path(skipped_path).read_text(encoding="utf-8").splitlines())
     stats["settings_key"] = key
-    stats["backend"] = settings["backend"]
+    stats["backend"] = settings.backend
     write_outputs(result, Path(out_responses))
     write_jsonl(out_errors, result.failures)
     with atomic_path(out_records) as tmp:

@@ -18,11 +18,12 @@ Nothing heavy is imported until an engine is built.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import EngineUnavailable
 from ...servers.http import TransientError
+from ..settings import GenerationSettings
 from .protocol import (
     CURRENT_REQUEST,
     OVER_CONTEXT,
@@ -60,80 +61,74 @@ def is_streaming(backend: str) -> bool:
 
 
 def build_engine(
-    settings: Mapping[str, Any],
-    execution: Mapping[str, Any],
+    settings: GenerationSettings,
     *,
     threads: int | None = None,
     label: str = "generation",
     slot_dir: str | os.PathLike[str] | None = None,
 ) -> Engine | AsyncEngine:
-    """The engine of ``settings["backend"]``.
+    """The engine of ``settings.backend``.
 
-    ``settings`` is what changes the output (:func:`..settings.generation_settings`, the
-    rule's params); ``execution`` says how to run (device, endpoints, concurrency, ...);
     ``label`` (the dataset) names the engine's own progress lines; ``slot_dir`` (HTTP
     engines) is where the run's endpoint slots are: each endpoint's ``concurrency`` is then
     shared with the run's other generate jobs (:mod:`.endpoint_slots`).
     """
-    backend = settings["backend"]
+    backend = settings.backend
     if backend == "transformers":
-        return _transformers_engine(settings, execution, threads, label)
+        return _transformers_engine(settings, threads, label)
     if backend == "openai":
-        return _openai_engine(settings, execution, slot_dir)
+        return _openai_engine(settings, slot_dir)
     raise ValueError(f"generation.backend must be one of {list(BACKENDS)}, got {backend!r}")
 
 
-def _transformers_engine(
-    settings: Mapping[str, Any], execution: Mapping[str, Any], threads: int | None, label: str
-) -> Engine:
+def _transformers_engine(settings: GenerationSettings, threads: int | None, label: str) -> Engine:
     from ...torch_utils import set_threads
     from .transformers_engine import TransformersEngine
 
     set_threads(threads)
     return TransformersEngine(
-        settings["model_path"],
-        sampling=settings["sampling"],
-        chat_template_kwargs=settings["chat_template_kwargs"],
-        dtype=settings["dtype"],
-        device=execution["device"],
-        trust_remote_code=execution.get("trust_remote_code", False),
-        progress_interval_s=execution.get("progress_interval_s"),
+        settings.model_path,
+        sampling=settings.sampling,
+        chat_template_kwargs=settings.chat_template_kwargs,
+        dtype=settings.dtype,
+        device=settings.device,
+        trust_remote_code=settings.trust_remote_code,
+        progress_interval_s=settings.progress_interval_s,
         label=label,
     )
 
 
 def _openai_engine(
-    settings: Mapping[str, Any],
-    execution: Mapping[str, Any],
-    slot_dir: str | os.PathLike[str] | None = None,
+    settings: GenerationSettings, slot_dir: str | os.PathLike[str] | None = None
 ) -> AsyncEngine:
     from .openai_engine import HttpSettings, OpenAIEngine
 
     api_key = None
-    if execution["api_key_env"]:
-        api_key = os.environ.get(execution["api_key_env"])
+    if settings.api_key_env:
+        api_key = os.environ.get(settings.api_key_env)
         if not api_key:
             raise EngineUnavailable(
-                f"generation.api_key_env names {execution['api_key_env']!r}, which is not set"
+                f"generation.api_key_env names {settings.api_key_env!r}, which is not set"
             )
+    assert settings.served_model is not None  # generation_settings sets it for HTTP
     http = HttpSettings(
-        endpoints=execution["endpoints"],
-        model=settings["served_model"],
-        concurrency=execution["concurrency"],
+        endpoints=list(settings.endpoints),
+        model=settings.served_model,
+        concurrency=settings.concurrency,
         api_key=api_key,
-        request_timeout_s=execution["request_timeout_s"],
-        max_retries=execution["max_retries"],
-        extra_body=settings["extra_body"],
-        return_token_ids=execution.get("return_token_ids", True),
+        request_timeout_s=settings.request_timeout_s,
+        max_retries=settings.max_retries,
+        extra_body=settings.extra_body,
+        return_token_ids=settings.return_token_ids,
         slot_dir=None if slot_dir is None else os.fspath(slot_dir),
     )
     return OpenAIEngine(
         http,
-        sampling=settings["sampling"],
-        seed=settings["seed"],
-        chat_template_kwargs=settings["chat_template_kwargs"],
+        sampling=settings.sampling,
+        seed=settings.seed,
+        chat_template_kwargs=settings.chat_template_kwargs,
         count_tokens=_lazy_token_counter(
-            settings["model_path"], trust_remote_code=execution.get("trust_remote_code", False)
+            settings.model_path, trust_remote_code=settings.trust_remote_code
         ),
     )
 

@@ -9,9 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-import yaml
 from safetensors.torch import save_file
-from support.workflow import REPO
 
 from eagle3data.errors import ValidationError
 from eagle3data.hidden_states import agreement
@@ -172,12 +170,6 @@ def test_judgement_of_greedy_and_sampled_data():
     for cause in ("tokenizer", "reasoning", "post-norm", "off by one"):
         assert cause in message
     assert agreement.judge({**SUMMARY, "positions": 0}, greedy=True, settings=settings) == []
-
-
-def test_defaults_are_the_schemas():
-    schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
-    props = schema["properties"]["validate"]["properties"]["agreement"]["properties"]
-    assert {k: v["default"] for k, v in props.items()} == agreement.DEFAULT_SETTINGS
 
 
 def test_recorded_aux_layers_are_checked_against_the_rule():

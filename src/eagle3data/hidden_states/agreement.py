@@ -40,6 +40,7 @@ import torch
 
 from .. import model_config
 from ..errors import ModelConfigError, ValidationError
+from ..schema import schema_defaults
 from . import checkpoint_tensors
 from .checkpoint_tensors import read_tensor
 from .final_state import PRE_NORM, FinalNorm, final_state_of
@@ -51,18 +52,9 @@ _VOCAB_CHUNK = 32768
 _HEAD_SUFFIX = "lm_head.weight"
 _TIED_SUFFIX = "embed_tokens.weight"
 
-DEFAULT_SETTINGS: dict[str, Any] = {
-    "enabled": True,
-    "positions_per_shard": 2048,
-    # Greedy data: agreement at least this, and this much above the control.
-    "min_agreement": 0.8,
-    "min_agreement_margin": 0.3,
-    # Sampled data: mean log-probability this many nats above the control's, and some
-    # agreement (a pre-norm state sharpens every distribution: its log-probabilities
-    # keep their margin, its argmax does not).
-    "min_logprob_margin": 4.0,
-    "min_sampled_agreement": 0.3,
-}
+# validate.agreement's keys at the schema's defaults, for code given part of the section
+# (the workflow's config holds them all): what each means is in the schema's descriptions.
+DEFAULT_SETTINGS: dict[str, Any] = schema_defaults("validate", "agreement")
 
 LIKELY_CAUSES = (
     "token ids not from the target's own tokenizer (model.tokenizer, a converted stand-in); "

@@ -32,6 +32,7 @@ from typing import IO, Any, Self
 
 from .errors import GpuSlotError, GpuSlotTimeout
 from .layout import GPU_LOCKS
+from .schema import from_schema
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +281,7 @@ class GpuRequest:
 
     count: int
     machine_gpus: int | None = None  # None: detect (nvidia-smi -L)
-    timeout_s: float = 600.0
+    timeout_s: float = from_schema("gpus", "lock_timeout_s")
 
     @classmethod
     def of_job(cls, snakemake: Any) -> Self:

@@ -4,6 +4,7 @@ written. Imports nothing of this package, so any module may read a default from 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any
@@ -28,3 +29,10 @@ def schema_defaults(*section: str) -> dict[str, Any]:
         node = node["properties"][key]
     defaults = {k: v["default"] for k, v in node["properties"].items() if "default" in v}
     return copy.deepcopy(defaults)  # the schema is read once: its values are not lent out
+
+
+def from_schema(*path: str) -> Any:
+    """A dataclass field whose default is the schema's for ``path`` (a section's keys, then
+    the key): a settings object built by hand (tests, benchmarks) gets what a run would."""
+    *section, key = path
+    return dataclasses.field(default_factory=lambda: schema_defaults(*section)[key])

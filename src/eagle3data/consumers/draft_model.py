@@ -4,6 +4,7 @@ would accept (step-1 agreement, the acceptance length of a chain of draft steps)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from ..errors import DraftCheckError, ModelConfigError
 from ..hidden_states.final_state import (
     plain_rms_norm_weight,
 )
+from ..schema import from_schema, schema_defaults
 from .draft_data import batches, pack
 
 
@@ -22,16 +24,19 @@ from .draft_data import batches, pack
 class DraftCheckSettings:
     """What one draft check trains and measures (``config/schema.yaml``, ``draft_check``)."""
 
-    seeds: tuple[int, ...] = (0, 1, 2)
-    epochs: int = 10
-    lr: float = 1e-3
-    batch_tokens: int = 512
-    num_layers: int = 1
-    ttt_steps: int = 3
-    heldout_fraction: float = 0.25
-    split_seed: int = 0
-    weight_decay: float = 0.0
-    fc_norm: bool = True
+    # The schema's seeds are a list; a frozen settings object keeps a tuple.
+    seeds: tuple[int, ...] = dataclasses.field(
+        default_factory=lambda: tuple(schema_defaults("draft_check")["seeds"])
+    )
+    epochs: int = from_schema("draft_check", "epochs")
+    lr: float = from_schema("draft_check", "lr")
+    batch_tokens: int = from_schema("draft_check", "batch_tokens")
+    num_layers: int = from_schema("draft_check", "num_layers")
+    ttt_steps: int = from_schema("draft_check", "ttt_steps")
+    heldout_fraction: float = from_schema("draft_check", "heldout_fraction")
+    split_seed: int = from_schema("draft_check", "split_seed")
+    weight_decay: float = from_schema("draft_check", "weight_decay")
+    fc_norm: bool = from_schema("draft_check", "fc_norm")
 
     def __post_init__(self) -> None:
         if not self.seeds:

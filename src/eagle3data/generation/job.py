@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..schema import from_schema
 from .budget import Selection
 from .engines import Tools
 from .records import JournalRecord
@@ -28,11 +29,11 @@ class GenerationJob:
     journal: Path
     model: str
     sampling: Mapping[str, Any]
-    seed: int = 0
+    seed: int = from_schema("generation", "seed")
     token_budget: int | None = None
     max_samples: int | None = None
-    batch_size: int = 8
-    progress_interval_s: float = 10.0
+    batch_size: int = from_schema("generation", "batch_size")
+    progress_interval_s: float = from_schema("generation", "progress_interval_s")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from ..errors import GenerationAborted
+from ..schema import from_schema
 from .budget import (
     Selection,
 )
@@ -88,8 +89,8 @@ class Progress:
 class ErrorLimits:
     """When a run stops instead of burning through a dataset on a broken server."""
 
-    max_consecutive_failures: int = 20
-    max_error_rate: float = 0.5
+    max_consecutive_failures: int = from_schema("generation", "max_consecutive_failures")
+    max_error_rate: float = from_schema("generation", "max_error_rate")
     min_attempts: int = 20  # attempts before the rate is judged
 
 

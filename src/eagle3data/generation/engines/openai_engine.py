@@ -57,7 +57,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -69,7 +69,7 @@ from tenacity import (
 )
 
 from ...errors import EngineUnavailable
-from ...schema import schema_defaults
+from ...schema import from_schema
 from ...servers.http import (
     RETRY_STATUS,
     TransientError,
@@ -110,29 +110,23 @@ ABORT_TIMEOUT_S = 10.0  # for SGLang to take an abort and answer the aborted req
 QUEUE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)  # a queue gauge late by more is stale
 
 
-def _from_schema(key: str) -> Any:
-    """A field whose default is ``generation.<key>``'s in the schema, the one place it is
-    written: an engine built by hand (tests, benchmarks) gets what a run would."""
-    return field(default_factory=lambda: schema_defaults("generation")[key])
-
-
 @dataclass(frozen=True)
 class HttpSettings:
     endpoints: Sequence[str]
     model: str
-    concurrency: int = _from_schema("concurrency")  # requests in flight per endpoint
+    concurrency: int = from_schema("generation", "concurrency")  # requests in flight per endpoint
     api_key: str | None = None
-    request_timeout_s: float = _from_schema("request_timeout_s")
+    request_timeout_s: float = from_schema("generation", "request_timeout_s")
     connect_timeout_s: float = 10.0
-    max_retries: int = _from_schema("max_retries")
+    max_retries: int = from_schema("generation", "max_retries")
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 60.0
     endpoint_max_failures: int = 5  # consecutive failures before an endpoint is paused
     endpoint_pause_s: float = 30.0
     health_check_timeout_s: float = 10.0
-    extra_body: Mapping[str, Any] = _from_schema("extra_body")
+    extra_body: Mapping[str, Any] = from_schema("generation", "extra_body")
     # Ask for the ids of each turn (see token_ids_of).
-    return_token_ids: bool = _from_schema("return_token_ids")
+    return_token_ids: bool = from_schema("generation", "return_token_ids")
     # Where the run's endpoint slots are (:mod:`.endpoint_slots`): ``concurrency`` is then
     # shared with every other job of the run that uses them; None: this engine's own.
     slot_dir: str | None = None

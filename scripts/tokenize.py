@@ -7,18 +7,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
 
 from eagle3data.jobs import run_step
+from eagle3data.tokenization.settings import TokenizeSettings
 from eagle3data.tokenization.stage import tokenize
 
-settings = json.loads(snakemake.params.settings)
 run_step(
     snakemake.log[0],
     tokenize,
     dataset=snakemake.wildcards.dataset,
     responses_path=snakemake.input.responses,
     model_path=str(Path(snakemake.input.model).parent),
-    chat_template_kwargs=settings["chat_template_kwargs"],
-    max_seq_len=settings["max_seq_len"],
-    reasoning=settings["reasoning"],
+    settings=TokenizeSettings.parse(json.loads(snakemake.params.settings)),
     # Whether the model's own code may run decides whether it loads, not what it writes:
     # from the config, not params (a rerun trigger).
     trust_remote_code=snakemake.config["model"]["trust_remote_code"],

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(snakemake.scriptdir).parent / "src"))
 
-from eagle3data.hidden_states.validation import validate
+from eagle3data.hidden_states.validation import ValidationSettings, validate
 from eagle3data.jobs import run_step
 
 run_step(
@@ -20,10 +20,5 @@ run_step(
     shard_paths=list(snakemake.input.shards),
     out_manifest=snakemake.output.manifest,
     model_path=str(Path(snakemake.input.model).parent),
-    aux_layers=snakemake.params.checks["aux_layers"],
-    aux_layer_convention=snakemake.params.checks["aux_layer_convention"],
-    agreement_settings=snakemake.params.checks["agreement"],
-    tokenize=snakemake.params.checks["tokenize"],
-    retokenize_samples=snakemake.params.checks["retokenize_samples"],
-    trust_remote_code=snakemake.params.checks["trust_remote_code"],
+    settings=ValidationSettings.parse(snakemake.params.checks),
 )

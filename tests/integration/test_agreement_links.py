@@ -23,6 +23,7 @@ from eagle3data.chat import tokenize_conversation
 from eagle3data.hidden_states import agreement
 from eagle3data.hidden_states.validation import retokenize_errors
 from eagle3data.shards import ShardWriter, open_shard
+from eagle3data.tokenization.settings import TokenizeSettings
 
 PROMPTS = [
     "Name three prime numbers.",
@@ -125,7 +126,7 @@ def judged(target: dict[str, Any], shard_path: Path) -> tuple[dict[str, Any], li
             shard, head, agreement.end_of_turn_ids(target["dir"]), None, seed=0
         )
     summary = stats.summary()
-    return summary, agreement.judge(summary, greedy=True, settings=agreement.DEFAULT_SETTINGS)
+    return summary, agreement.judge(summary, greedy=True, settings=agreement.AgreementSettings())
 
 
 def test_intact_greedy_data_passes(target, greedy, tmp_path):
@@ -205,7 +206,7 @@ def test_a_shifted_mask_is_invisible_to_the_agreement_but_not_to_retokenizing(
             str(responses),
             [str(shard)],
             model_path=str(target["dir"]),
-            tokenize={"chat_template_kwargs": {}, "max_seq_len": 4096, "reasoning": "keep"},
+            tokenize=TokenizeSettings(chat_template_kwargs={}, max_seq_len=4096, reasoning="keep"),
             trust_remote_code=False,
             count=len(greedy),
         )
@@ -220,7 +221,7 @@ def test_sampled_data_is_judged_by_log_probability(target, greedy, tmp_path):
     samples = tokenized(target["tokenizer"], greedy)
     ok = write_shard(tmp_path / "ok.h5", samples, target_states(target))
     summary, _ = judged(target, ok)
-    settings = agreement.DEFAULT_SETTINGS
+    settings = agreement.AgreementSettings()
     assert agreement.judge(summary, greedy=False, settings=settings) == []
     other = write_shard(tmp_path / "shift.h5", samples, target_states(target), rows_shift=1)
     summary, _ = judged(target, other)

@@ -15,6 +15,7 @@ from eagle3data.errors import ValidationError
 from eagle3data.hidden_states import agreement
 from eagle3data.hidden_states.layers import resolve_aux_layers
 from eagle3data.hidden_states.validation import _mask_difference, aux_layer_errors
+from eagle3data.tokenization.settings import TokenizeSettings
 
 EOT = 2
 
@@ -154,7 +155,7 @@ SUMMARY = {
 
 
 def test_judgement_of_greedy_and_sampled_data():
-    settings = agreement.DEFAULT_SETTINGS
+    settings = agreement.AgreementSettings()
     assert agreement.judge(SUMMARY, greedy=True, settings=settings) == []
     assert agreement.judge(SUMMARY, greedy=False, settings=settings) == []
     low = {**SUMMARY, "agreement": 0.7}
@@ -247,7 +248,7 @@ def test_retokenizing_a_sample_of_responses_finds_a_shifted_mask(tmp_path, tiny_
             json.dumps({"id": f"q{i}", "messages": c}) + "\n" for i, c in enumerate(conversations)
         )
     )
-    settings = {"chat_template_kwargs": {}, "max_seq_len": 256, "reasoning": "keep"}
+    settings = TokenizeSettings(chat_template_kwargs={}, max_seq_len=256, reasoning="keep")
 
     def shard(name: str, shift: int) -> str:
         path = tmp_path / name

@@ -4,6 +4,7 @@ mask-placement bug in tokenize_response is caught, correct data passes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -19,14 +20,15 @@ from eagle3data import model_config
 from eagle3data.errors import ValidationError
 from eagle3data.hidden_states import agreement
 from eagle3data.hidden_states.layers import resolve_aux_layers
-from eagle3data.hidden_states.validation import validate
+from eagle3data.hidden_states.validation import ValidationSettings, validate
 from eagle3data.shards import ShardWriter
 from eagle3data.tokenization import samples as samples_module
 from eagle3data.tokenization.samples import ResponseSamples
+from eagle3data.tokenization.settings import TokenizeSettings
 from eagle3data.tokenization.stage import tokenize
 from eagle3data.turn_ids import compact_token_ids
 
-SETTINGS = {"chat_template_kwargs": {}, "max_seq_len": 4096, "reasoning": "keep"}
+SETTINGS = TokenizeSettings(chat_template_kwargs={}, max_seq_len=4096, reasoning="keep")
 
 
 def conversation(k: int, turns: int) -> list[dict[str, Any]]:
@@ -69,7 +71,7 @@ def dataset(
     responses = tmp_path / "A1.jsonl"
     responses.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tokenized, stats = tmp_path / "A1.parquet", tmp_path / "A1.stats.json"
-    settings = {**SETTINGS, "max_seq_len": max_seq_len, "reasoning": reasoning}
+    settings = dataclasses.replace(SETTINGS, max_seq_len=max_seq_len, reasoning=reasoning)
     tokenize(
         dataset="A1",
         responses_path=str(responses),
@@ -77,7 +79,7 @@ def dataset(
         trust_remote_code=False,
         out_tokenized=str(tokenized),
         out_stats=str(stats),
-        **settings,
+        settings=settings,
     )
     depth = model_config.num_hidden_layers(model_config.read_model_config(model_dir))
     attrs = resolve_aux_layers("auto", depth, "layer_output").as_attrs()
@@ -100,9 +102,11 @@ def dataset(
         "shard_paths": [str(shard)],
         "out_manifest": str(tmp_path / "manifest.json"),
         "model_path": str(model_dir),
-        "agreement_settings": {"enabled": False},
-        "tokenize": settings,
-        "retokenize_samples": 32,
+        "settings": ValidationSettings(
+            agreement=agreement.AgreementSettings(enabled=False),
+            tokenize=settings,
+            retokenize_samples=32,
+        ),
     }
 
 

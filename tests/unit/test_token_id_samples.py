@@ -14,6 +14,7 @@ from support.engine_ids import engine_token_ids
 from eagle3data.chat import tokenize_conversation
 from eagle3data.errors import ResponseError
 from eagle3data.tokenization.samples import tokenize_response
+from eagle3data.tokenization.settings import TokenizeSettings
 from eagle3data.tokenization.stage import tokenize
 from eagle3data.turn_ids import compact_token_ids
 
@@ -154,9 +155,7 @@ def test_the_stage_counts_and_shows_where_turns_differ(
     kwargs = {
         "dataset": "A1",
         "model_path": str(tiny_model_dir),
-        "chat_template_kwargs": {},
-        "max_seq_len": 4096,
-        "reasoning": "keep",
+        "settings": TokenizeSettings(chat_template_kwargs={}, max_seq_len=4096, reasoning="keep"),
         "trust_remote_code": False,
         "out_tokenized": str(tmp_path / "A1.parquet"),
         "out_stats": str(stats_path),

@@ -15,7 +15,7 @@ import pytest
 from support.exported_run import ExportedRun
 
 from eagle3data.config import validate_config
-from eagle3data.hidden_states.agreement import DEFAULT_SETTINGS
+from eagle3data.hidden_states.agreement import AgreementSettings
 from eagle3data.layout import Results
 from eagle3data.monitor.snapshot import agreement_cell, token_ids_cell
 from eagle3data.monitor.status import snapshots
@@ -34,7 +34,7 @@ def test_the_demo_model_agrees_with_its_own_tokens(exported_run: ExportedRun) ->
     assert check["mean_logprob"] > check["control_mean_logprob"] + 4
     assert [s["positions"] for s in check["shards"]] and check["settings"]["min_agreement"] == 0.8
     # Scored all: the default sample (2048 per shard) would have taken these same positions.
-    default_count = DEFAULT_SETTINGS["positions_per_shard"]
+    default_count = AgreementSettings().positions_per_shard
     assert all(s["positions"] <= default_count for s in check["shards"])
     assert any("agrees with the tokens it generated" in c for c in manifest["checks"])
 

@@ -33,14 +33,14 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from .. import model_config
 from ..errors import ModelConfigError, ValidationError
-from ..schema import schema_defaults
+from ..schema import from_schema
 from . import checkpoint_tensors
 from .checkpoint_tensors import read_tensor
 from .final_state import PRE_NORM, FinalNorm, final_state_of
@@ -52,9 +52,30 @@ _VOCAB_CHUNK = 32768
 _HEAD_SUFFIX = "lm_head.weight"
 _TIED_SUFFIX = "embed_tokens.weight"
 
-# validate.agreement's keys at the schema's defaults, for code given part of the section
-# (the workflow's config holds them all): what each means is in the schema's descriptions.
-DEFAULT_SETTINGS: dict[str, Any] = schema_defaults("validate", "agreement")
+
+@dataclass(frozen=True)
+class AgreementSettings:
+    """``validate.agreement``, parsed once by the validate job (what each key means: the
+    schema's descriptions; an object built by hand gets the schema's defaults)."""
+
+    enabled: bool = from_schema("validate", "agreement", "enabled")
+    positions_per_shard: int | Literal["all"] = from_schema(
+        "validate", "agreement", "positions_per_shard"
+    )
+    min_agreement: float = from_schema("validate", "agreement", "min_agreement")
+    min_agreement_margin: float = from_schema("validate", "agreement", "min_agreement_margin")
+    min_logprob_margin: float = from_schema("validate", "agreement", "min_logprob_margin")
+    min_sampled_agreement: float = from_schema("validate", "agreement", "min_sampled_agreement")
+
+    @classmethod
+    def parse(cls, section: Mapping[str, Any]) -> AgreementSettings:
+        """The config's section (validated: only these keys)."""
+        return cls(**section)
+
+    def to_json(self) -> dict[str, Any]:
+        """As the manifest's agreement section records them."""
+        return asdict(self)
+
 
 LIKELY_CAUSES = (
     "token ids not from the target's own tokenizer (model.tokenizer, a converted stand-in); "
@@ -331,7 +352,7 @@ def shard_agreement(
 # ------------------------------------------------------------------------ judging
 
 
-def judge(summary: Mapping[str, Any], *, greedy: bool, settings: Mapping[str, Any]) -> list[str]:
+def judge(summary: Mapping[str, Any], *, greedy: bool, settings: AgreementSettings) -> list[str]:
     """Why the dataset's agreement fails its thresholds (empty: it passes)."""
     if not summary["positions"]:
         return []
@@ -339,27 +360,27 @@ def judge(summary: Mapping[str, Any], *, greedy: bool, settings: Mapping[str, An
     logprob, control_lp = summary["mean_logprob"], summary["control_mean_logprob"]
     problems = []
     if greedy:
-        if agreement < settings["min_agreement"]:
+        if agreement < settings.min_agreement:
             problems.append(
                 f"agreement {agreement:.4f} < validate.agreement.min_agreement "
-                f"{settings['min_agreement']} (greedy data)"
+                f"{settings.min_agreement} (greedy data)"
             )
-        if agreement - control < settings["min_agreement_margin"]:
+        if agreement - control < settings.min_agreement_margin:
             problems.append(
-                f"agreement {agreement:.4f} is not {settings['min_agreement_margin']} above "
+                f"agreement {agreement:.4f} is not {settings.min_agreement_margin} above "
                 f"the one-token-shifted control {control:.4f} (min_agreement_margin)"
             )
     else:
-        if control_lp is not None and logprob - control_lp < settings["min_logprob_margin"]:
+        if control_lp is not None and logprob - control_lp < settings.min_logprob_margin:
             problems.append(
-                f"mean log-probability {logprob:.3f} is not {settings['min_logprob_margin']} "
+                f"mean log-probability {logprob:.3f} is not {settings.min_logprob_margin} "
                 f"nats above the one-token-shifted control {control_lp:.3f} (sampled data, "
                 f"min_logprob_margin)"
             )
-        if agreement < settings["min_sampled_agreement"]:
+        if agreement < settings.min_sampled_agreement:
             problems.append(
                 f"agreement {agreement:.4f} < validate.agreement.min_sampled_agreement "
-                f"{settings['min_sampled_agreement']} (sampled data)"
+                f"{settings.min_sampled_agreement} (sampled data)"
             )
     return problems
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,9 @@ import polars as pl
 from .. import model_config
 from ..atomic import write_json
 from ..errors import ValidationError
+from ..schema import from_schema
 from ..shards import open_shard, validate_shard
+from ..tokenization.settings import TokenizeSettings
 from ..tokenization.table import sample_id_of
 from . import agreement, fingerprint
 from .final_state import PRE_NORM, FinalNorm, final_state_of, load_final_norm
@@ -82,7 +84,7 @@ def sample_id_errors(
 
 
 def aux_layer_errors(
-    attrs: Mapping[str, Any], spec: Any, convention: str, num_layers: int
+    attrs: Mapping[str, Any], spec: str | Sequence[int], convention: str, num_layers: int
 ) -> list[str]:
     """The aux layers a shard records against what the config's rule gives for the
     model's depth (the agreement check cannot see them: it reads only the last state)."""
@@ -142,7 +144,7 @@ def response_sample_errors(
     shard_paths: Sequence[str],
     *,
     model_path: str,
-    tokenize: Mapping[str, Any],
+    tokenize: TokenizeSettings,
     trust_remote_code: bool,
     count: int,
     dropped_ids: Collection[str] = (),
@@ -164,9 +166,7 @@ def response_sample_errors(
             tokenizer,
             responses,
             shard_paths,
-            max_seq_len=tokenize["max_seq_len"],
-            reasoning=tokenize["reasoning"],
-            chat_template_kwargs=tokenize["chat_template_kwargs"],
+            **tokenize.render_options(),
             dropped_ids=dropped_ids,
         ),
     ]
@@ -177,7 +177,7 @@ def retokenize_errors(
     shard_paths: Sequence[str],
     *,
     model_path: str,
-    tokenize: Mapping[str, Any],
+    tokenize: TokenizeSettings,
     trust_remote_code: bool,
     count: int,
     seed: int = 0,
@@ -202,7 +202,7 @@ def _retokenized_errors(
     tokenizer: Any,
     responses: Sequence[SampledResponse],
     shard_paths: Sequence[str],
-    tokenize: Mapping[str, Any],
+    tokenize: TokenizeSettings,
 ) -> list[str]:
     from ..tokenization.samples import tokenize_response
 
@@ -212,9 +212,7 @@ def _retokenized_errors(
         made = tokenize_response(
             tokenizer,
             response.row,
-            chat_template_kwargs=tokenize["chat_template_kwargs"],
-            max_seq_len=tokenize["max_seq_len"],
-            reasoning=tokenize["reasoning"],
+            **tokenize.render_options(),
         )
         samples = made.samples
         for tok in samples:
@@ -268,7 +266,7 @@ def check_agreement(
     dataset: str,
     shard_paths: Sequence[str],
     model_path: str,
-    settings: Mapping[str, Any],
+    settings: agreement.AgreementSettings,
     responses: _Responses,
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
@@ -283,7 +281,7 @@ def check_agreement(
     end_of_turn = agreement.end_of_turn_ids(model_path)
     total = agreement.AgreementStats()
     per_shard = []
-    count = settings["positions_per_shard"]
+    count = settings.positions_per_shard
     for k, path in enumerate(shard_paths):
         with open_shard(path) as shard:
             stats = agreement.shard_agreement(
@@ -303,7 +301,7 @@ def check_agreement(
         "greedy": greedy,
         "judged_by": "agreement" if greedy else "mean_logprob",
         "end_of_turn_ids": sorted(end_of_turn),
-        "settings": dict(settings),
+        "settings": settings.to_json(),
         "shards": per_shard,
     }
     log.info(
@@ -324,6 +322,31 @@ def check_agreement(
     return section
 
 
+@dataclass(frozen=True)
+class ValidationSettings:
+    """What the validate job checks, parsed once from its rule's ``params.checks``; built
+    by hand, the schema's defaults and no re-tokenizing (no ``tokenize`` settings)."""
+
+    aux_layers: str | tuple[int, ...] = from_schema("hidden_states", "aux_layers")
+    aux_layer_convention: str = from_schema("hidden_states", "aux_layer_convention")
+    agreement: agreement.AgreementSettings = field(default_factory=agreement.AgreementSettings)
+    tokenize: TokenizeSettings | None = None
+    retokenize_samples: int = from_schema("validate", "retokenize_samples")
+    trust_remote_code: bool = from_schema("model", "trust_remote_code")
+
+    @classmethod
+    def parse(cls, checks: Mapping[str, Any]) -> ValidationSettings:
+        layers = checks["aux_layers"]
+        return cls(
+            aux_layers=layers if isinstance(layers, str) else tuple(layers),
+            aux_layer_convention=checks["aux_layer_convention"],
+            agreement=agreement.AgreementSettings.parse(checks["agreement"]),
+            tokenize=TokenizeSettings.parse(checks["tokenize"]),
+            retokenize_samples=int(checks["retokenize_samples"]),
+            trust_remote_code=bool(checks["trust_remote_code"]),
+        )
+
+
 def validate(
     *,
     dataset: str,
@@ -334,16 +357,12 @@ def validate(
     shard_paths: list[str],
     out_manifest: str,
     model_path: str | None = None,
-    aux_layers: Any = "auto",
-    aux_layer_convention: str = "layer_output",
-    agreement_settings: Mapping[str, Any] | None = None,
-    tokenize: Mapping[str, Any] | None = None,
-    retokenize_samples: int = 0,
-    trust_remote_code: bool = False,
+    settings: ValidationSettings | None = None,
 ) -> None:
     """Check the dataset's shards. With ``model_path`` (the target) also: the aux layers
-    against the rule, the agreement check (``agreement_settings``: ``validate.agreement``)
-    and ``retokenize_samples`` responses re-tokenized with the ``tokenize`` settings."""
+    against the rule, the agreement check and a sample of responses made into samples
+    again (``settings``; None: the schema's defaults, nothing re-tokenized)."""
+    wanted = settings or ValidationSettings()
     plan = json.loads(Path(plan_path).read_text())
     tok_stats = json.loads(Path(tokenize_stats_path).read_text())
     rows = pl.read_parquet(tokenized_path, columns=["index", "id", "turn"])
@@ -382,17 +401,19 @@ def validate(
             depth = model_config.num_hidden_layers(model_config.read_model_config(model_path))
             errors.extend(
                 f"{shard_paths[0]}: {e}"
-                for e in aux_layer_errors(attrs, aux_layers, aux_layer_convention, depth)
+                for e in aux_layer_errors(
+                    attrs, wanted.aux_layers, wanted.aux_layer_convention, depth
+                )
             )
-        if model_path is not None and tokenize is not None and retokenize_samples:
+        if model_path is not None and wanted.tokenize is not None and wanted.retokenize_samples:
             errors.extend(
                 response_sample_errors(
                     responses_path,
                     shard_paths,
                     model_path=model_path,
-                    tokenize=tokenize,
-                    trust_remote_code=trust_remote_code,
-                    count=retokenize_samples,
+                    tokenize=wanted.tokenize,
+                    trust_remote_code=wanted.trust_remote_code,
+                    count=wanted.retokenize_samples,
                     dropped_ids={str(d.get("id")) for d in tok_stats["dropped"]},
                 )
             )
@@ -400,12 +421,11 @@ def validate(
         raise ValidationError(
             f"{dataset}: {len(errors)} problem(s) found:\n" + "\n".join(f"  - {e}" for e in errors)
         )
-    settings = {**agreement.DEFAULT_SETTINGS, **(agreement_settings or {})}
     checks = list(CHECKS)
     agreement_section: dict[str, Any] | None = None
-    if model_path is not None and settings["enabled"]:
+    if model_path is not None and wanted.agreement.enabled:
         agreement_section = check_agreement(
-            dataset, shard_paths, model_path, settings, responses, trust_remote_code
+            dataset, shard_paths, model_path, wanted.agreement, responses, wanted.trust_remote_code
         )
         checks.append(AGREEMENT_CHECK)
     manifest = {

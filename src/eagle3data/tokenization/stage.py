@@ -21,6 +21,7 @@ from typing import Any
 from ..atomic import write_json
 from ..errors import ChatTemplateError, ResponseError
 from .samples import ResponseSamples
+from .settings import TokenizeSettings
 from .table import SCHEMA, sample_id_of, write_tokenized
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,7 @@ def tokenize(
     dataset: str,
     responses_path: str,
     model_path: str,
-    chat_template_kwargs: Mapping[str, Any],
-    max_seq_len: int,
-    reasoning: str,
+    settings: TokenizeSettings,
     trust_remote_code: bool,
     out_tokenized: str,
     out_stats: str,
@@ -56,9 +55,7 @@ def tokenize(
                 made = tokenize_response(
                     tokenizer,
                     resp,
-                    chat_template_kwargs=chat_template_kwargs,
-                    max_seq_len=max_seq_len,
-                    reasoning=reasoning,
+                    **settings.render_options(),
                 )
             except (ValueError, ChatTemplateError) as exc:
                 raise ResponseError(
@@ -76,7 +73,8 @@ def tokenize(
                         {
                             "id": sample_id,
                             "index": resp["index"],
-                            "reason": f"no assistant token within max_seq_len={max_seq_len} "
+                            "reason": "no assistant token within "
+                            f"max_seq_len={settings.max_seq_len} "
                             f"(sample has {tok.num_tokens_before_truncation} tokens)",
                         }
                     )
@@ -98,8 +96,8 @@ def tokenize(
         "tokens": int(df["num_tokens"].sum() or 0),
         "loss_tokens": int(df["loss_mask"].list.sum().sum() or 0),
         "truncated": int(df["truncated"].sum() or 0),
-        "max_seq_len": max_seq_len,
-        "reasoning": reasoning,
+        "max_seq_len": settings.max_seq_len,
+        "reasoning": settings.reasoning,
         # Conversations trained as more than one sample: split at the turns whose history
         # differs from what the target produced before (.samples, chat module docstring).
         "conversations_split_per_turn": per_turn,

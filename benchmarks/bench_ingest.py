@@ -132,6 +132,7 @@ def child(target: str, source: str, workdir: str) -> None:
             "shuffle_seed": 0,
             "out_prompts": str(out),
             "out_skipped": str(out.with_suffix(".skipped.jsonl")),
+            "out_images": str(out.with_suffix(".images.parquet")),
         }
         # The stage's signature changes with its features: pass what it accepts.
         accepted = inspect.signature(prepare_prompts).parameters

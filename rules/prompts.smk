@@ -4,6 +4,7 @@ rule prompts:
     output:
         prompts=layout.PROMPTS,
         skipped=layout.SKIPPED_PROMPTS,
+        images=layout.PROMPT_IMAGES,
     log:
         "logs/prompts/{dataset}.log",
     conda:

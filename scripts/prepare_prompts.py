@@ -21,4 +21,5 @@ run_step(
     shuffle_seed=snakemake.params.shuffle_seed,
     out_prompts=snakemake.output.prompts,
     out_skipped=snakemake.output.skipped,
+    out_images=snakemake.output.images,
 )

@@ -20,6 +20,8 @@ WORK = f"{RESULTS}/.work"
 
 PROMPTS = f"{RESULTS}/prompts/{{dataset}}.parquet"
 SKIPPED_PROMPTS = f"{RESULTS}/prompts/{{dataset}}.skipped.jsonl"
+# The images of the prompts, one row per distinct image (eagle3data.images).
+PROMPT_IMAGES = f"{RESULTS}/prompts/{{dataset}}.images.parquet"
 
 RESPONSES = f"{RESULTS}/responses/{{dataset}}.jsonl"
 RESPONSE_STATS = f"{RESULTS}/responses/{{dataset}}.stats.json"

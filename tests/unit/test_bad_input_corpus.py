@@ -36,7 +36,7 @@ ERRORS = [
         2,
         "conversations[0].value: lone surrogate \\ud800 at character 4: not valid Unicode text",
     ),
-    ("multimodal_image.jsonl", "auto", 2, "image: multimodal prompts are not supported yet"),
+    ("multimodal_audio.jsonl", "auto", 2, "audio: audio and video prompts are not supported"),
 ]
 
 

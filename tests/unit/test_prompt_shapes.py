@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 from pathlib import Path
 
@@ -32,6 +34,10 @@ def error(tmp_path: Path, record: object, fmt: str = "auto", **kwargs) -> str:
     return message.removeprefix(f"{path}:1: ")
 
 
+# A 1x1 PNG.
+CAT_PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+)
 USER_ASSISTANT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
 
 
@@ -155,20 +161,30 @@ def test_content_parts_are_joined_as_templates_join_them(tmp_path) -> None:
     assert conv.messages == [{"role": "user", "content": "Hello world"}]
 
 
-def test_an_image_part_is_a_clear_multimodal_error(tmp_path) -> None:
-    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {}}]
+def test_an_audio_part_is_a_clear_error(tmp_path) -> None:
+    audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+    parts = [{"type": "text", "text": "What is this?"}, audio]
     message = error(tmp_path, {"messages": [{"role": "user", "content": parts}]})
     assert message == (
-        "messages[0].content[1].type: 'image_url' part: multimodal prompts are not supported yet"
+        "messages[0].content[1].type: 'input_audio' part: audio and video prompts are not supported"
     )
 
 
-def test_sharegpt4v_image_field_is_a_clear_multimodal_error(tmp_path) -> None:
+def test_an_audio_field_is_a_clear_error(tmp_path) -> None:
+    record = {"audio": "a.wav", "conversations": [{"from": "human", "value": "Transcribe."}]}
+    assert error(tmp_path, record).startswith("audio: audio and video prompts are not supported")
+
+
+def test_images_are_accepted(tmp_path) -> None:
+    """The forms, skips and identity of images: tests/unit/test_prompt_images.py."""
+    (tmp_path / "cat.png").write_bytes(CAT_PNG)
     record = {
-        "image": "coco/train2017/000000000009.jpg",
+        "image": "cat.png",
         "conversations": [{"from": "human", "value": "<image>\nWhat is this?"}],
     }
-    assert error(tmp_path, record).startswith("image: multimodal prompts are not supported yet")
+    (first, second) = only(tmp_path, record).messages[0]["content"]
+    assert first == {"type": "image", "image": hashlib.sha256(CAT_PNG).hexdigest()}
+    assert second == {"type": "text", "text": "\nWhat is this?"}
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ def prepare(tmp_path: Path, source: Path, **kwargs) -> tuple[Path, Path]:
         shuffle_seed=7,
         out_prompts=str(out),
         out_skipped=str(skipped),
+        out_images=str(out.with_name("A1.images.parquet")),
         **kwargs,
     )
     return out, skipped

@@ -2,7 +2,9 @@
 
 The normalised form, shared by the prompts table, generation and tokenization::
 
-    messages: [{"role": "system"|"user"|"assistant"|"tool", "content": str,
+    messages: [{"role": "system"|"user"|"assistant"|"tool",
+                "content": str, or in a user turn with images a list of parts
+                           [{"type": "text", "text": str} | {"type": "image", "image": sha256}],
                 # optional, only when set:
                 "tool_calls": [{"id"?, "type": "function",
                                 "function": {"name": str, "arguments": str (JSON)}}],
@@ -14,7 +16,8 @@ Shapes (``format``): ``auto`` tries them in the order below for each record;
 ``conversation``, each turn ``role``/``content`` or ``from``/``value``),
 ``alpaca`` (``instruction``/``input``/``output`` with ``history``; dolly's
 ``context``/``response``) and ``prompt`` (``prompt``). A ``fields`` mapping names
-the keys of anything else. A problem raises :class:`Bad` naming the field.
+the keys of anything else. Images (:mod:`.image_inputs`) are read and hashed here. A
+problem raises :class:`Bad` naming the field.
 """
 
 from __future__ import annotations
@@ -23,6 +26,21 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..images import LoadedImage
+from .image_inputs import (
+    AUDIO_VIDEO,
+    AUDIO_VIDEO_KEYS,
+    AUDIO_VIDEO_PART_TYPES,
+    IMAGE_PART_TYPES,
+    RecordImages,
+    canonical_parts,
+    image_reference,
+    place_top_level_images,
+)
+from .problems import Bad, UnreadableImage
+
+__all__ = ["FORMATS", "ROLES", "Bad", "FieldMap", "Normalised", "UnreadableImage", "normalise"]
 
 FORMATS: tuple[str, ...] = ("auto", "sharegpt", "messages", "alpaca", "prompt")
 ROLES = ("system", "user", "assistant", "tool")
@@ -64,16 +82,8 @@ _METADATA_KEYS = frozenset(
 )  # fmt: skip
 # Turn keys that change nothing we send: ignored without a warning.
 _TURN_METADATA_KEYS = frozenset({"weight", "loss", "train", "mask", "timestamp", "id"})
-_MULTIMODAL_KEYS = ("image", "images", "image_url", "audio", "audios", "video", "videos")
 _TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
-MULTIMODAL = "multimodal prompts are not supported yet"
-
-
-class Bad(Exception):
-    """A record that cannot become a conversation; the message starts with the field."""
-
-    def __init__(self, field_path: str, problem: str) -> None:
-        super().__init__(f"{field_path}: {problem}")
+_PART_TYPES = sorted(_TEXT_PART_TYPES | IMAGE_PART_TYPES)
 
 
 @dataclass(frozen=True)
@@ -99,27 +109,38 @@ class Normalised:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     unused: list[str]  # fields that could change the prompt and were not used
+    images: list[LoadedImage] = field(default_factory=list)  # distinct, first-seen order
 
 
-def normalise(record: Mapping[str, Any], fmt: str, fields: FieldMap) -> Normalised:
-    """The conversation a record holds, in the normalised form; raise :class:`Bad`."""
-    _reject_multimodal_fields(record)
+def normalise(
+    record: Mapping[str, Any], fmt: str, fields: FieldMap, source_file: str = ""
+) -> Normalised:
+    """The conversation a record holds, in the normalised form; raise :class:`Bad`.
+
+    ``source_file`` is the file the record came from: image paths are relative to it.
+    """
+    _reject_audio_video_fields(record)
+    images = RecordImages(record, source_file)
     used: set[str] = set(_METADATA_KEYS)
+    if images.key is not None:
+        used.add(images.key)
     unused: list[str] = []
     shape = _shape_of(record, fmt, fields)
     if shape == "chat":
-        messages = _chat(record, fmt, fields, used, unused)
+        messages = _chat(record, fmt, fields, used, unused, images)
         first_user = next((m["content"] for m in messages if m["role"] == "user"), None)
         if record.get("prompt") == first_user:
             used.add("prompt")  # UltraChat's copy of the first user turn
     elif shape == "alpaca":
         messages = _alpaca(record, used)
     else:
-        messages = _prompt(record, fields, used)
+        messages = _prompt(record, fields, used, images)
     tools = _tools(record, fields, used)
     check_structure(messages)
+    if images.key is not None:
+        place_top_level_images(messages, images)
     unused += sorted(k for k, v in record.items() if k not in used and not _empty(v))
-    return Normalised(messages, tools, unused)
+    return Normalised(messages, tools, unused, images.in_order(messages))
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -155,6 +176,7 @@ def _chat(
     fields: FieldMap,
     used: set[str],
     unused: list[str],
+    images: RecordImages,
 ) -> list[dict[str, Any]]:
     if fields.messages:
         list_key = fields.messages
@@ -170,7 +192,8 @@ def _chat(
         raise Bad(list_key, "expected a non-empty list of turns")
     roles = {**ROLE_SPELLINGS, **fields.roles}
     messages = [
-        _turn(turn, f"{list_key}[{i}]", fmt, fields, roles, unused) for i, turn in enumerate(turns)
+        _turn(turn, f"{list_key}[{i}]", fmt, fields, roles, unused, images)
+        for i, turn in enumerate(turns)
     ]
     system = _top_level_system(record, fields, used)
     if system is not None:
@@ -187,6 +210,7 @@ def _turn(
     fields: FieldMap,
     roles: Mapping[str, str],
     unused: list[str],
+    images: RecordImages,
 ) -> dict[str, Any]:
     if not isinstance(turn, Mapping):
         raise Bad(where, "expected an object with a role and a content")
@@ -214,6 +238,8 @@ def _turn(
     message["content"] = _content(
         turn.get(text_key),
         f"{where}.{text_key}",
+        role,
+        images,
         # An empty system turn renders differently from none (Qwen's default system prompt
         # appears only without one), so it is kept as the source gave it.
         allow_empty=role in ("system", "assistant", "tool"),
@@ -278,7 +304,9 @@ def _history(history: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _prompt(record: Mapping[str, Any], fields: FieldMap, used: set[str]) -> list[dict[str, Any]]:
+def _prompt(
+    record: Mapping[str, Any], fields: FieldMap, used: set[str], images: RecordImages
+) -> list[dict[str, Any]]:
     key = fields.prompt or "prompt"
     used.add(key)
     if record.get(key) is None:
@@ -287,12 +315,15 @@ def _prompt(record: Mapping[str, Any], fields: FieldMap, used: set[str]) -> list
     system = _top_level_system(record, fields, used)
     if system is not None:
         messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": _content(record[key], key)})
+    messages.append({"role": "user", "content": _content(record[key], key, "user", images)})
     response_key = fields.response or "response"
     used.update({response_key, "completion", "output"})
     if not _empty(record.get(response_key)):
         messages.append(
-            {"role": "assistant", "content": _content(record[response_key], response_key)}
+            {
+                "role": "assistant",
+                "content": _content(record[response_key], response_key, "assistant", images),
+            }
         )
     return messages
 
@@ -382,20 +413,29 @@ def text(value: Any, field_path: str, *, allow_empty: bool = False) -> str:
 
 
 def _content(
-    value: Any, field_path: str, *, allow_empty: bool = False, allow_null: bool = False
-) -> str:
-    """Text, or a list of text parts joined as chat templates join them (no separator)."""
+    value: Any,
+    field_path: str,
+    role: str,
+    images: RecordImages,
+    *,
+    allow_empty: bool = False,
+    allow_null: bool = False,
+) -> str | list[dict[str, Any]]:
+    """Text, or a list of parts: text parts alone are joined as chat templates join them
+    (no separator); with an image they stay a list of normalised parts."""
     if value is None and allow_null:
         return ""
     if isinstance(value, list):
-        pieces = []
-        for i, part in enumerate(value):
-            pieces.append(_text_part(part, f"{field_path}[{i}]"))
-        value = "".join(pieces)
+        pieces = [_part(part, f"{field_path}[{i}]", role, images) for i, part in enumerate(value)]
+        texts = [piece for piece in pieces if isinstance(piece, str)]
+        if len(texts) < len(pieces):  # an image among them
+            return canonical_parts(pieces)
+        value = "".join(texts)
     return text(value, field_path, allow_empty=allow_empty)
 
 
-def _text_part(part: Any, where: str) -> str:
+def _part(part: Any, where: str, role: str, images: RecordImages) -> str | dict[str, Any]:
+    """A content part: its text, or a normalised image part."""
     if isinstance(part, str):
         return part
     if not isinstance(part, Mapping):
@@ -403,7 +443,18 @@ def _text_part(part: Any, where: str) -> str:
     kind = part.get("type", "text")
     if kind in _TEXT_PART_TYPES:
         return text(part.get("text"), f"{where}.text", allow_empty=True)
-    raise Bad(f"{where}.type", f"{kind!r} part: {MULTIMODAL}")
+    if kind in IMAGE_PART_TYPES:
+        if role != "user":
+            raise Bad(
+                f"{where}.type", f"an image in a {role} turn: only user turns may carry images"
+            )
+        value, field_path = image_reference(part, kind, where)
+        return images.part(value, field_path)
+    if kind in AUDIO_VIDEO_PART_TYPES:
+        raise Bad(f"{where}.type", f"{kind!r} part: {AUDIO_VIDEO}")
+    raise Bad(
+        f"{where}.type", f"unknown content part type {kind!r} (expected one of {_PART_TYPES})"
+    )
 
 
 def _check_unicode(value: str, field_path: str) -> None:
@@ -429,10 +480,12 @@ def _check_json_text(value: Any, field_path: str) -> None:
         raise Bad(field_path, f"not JSON data ({exc})") from None
 
 
-def _reject_multimodal_fields(record: Mapping[str, Any]) -> None:
-    for key in _MULTIMODAL_KEYS:
+def _reject_audio_video_fields(record: Mapping[str, Any]) -> None:
+    for key in AUDIO_VIDEO_KEYS:
         if not _empty(record.get(key)):
-            raise Bad(key, f"{MULTIMODAL} (the record carries {key} data)")
+            raise Bad(key, f"{AUDIO_VIDEO} (the record carries {key} data)")
+    if not _empty(record.get("image_url")):
+        raise Bad("image_url", "a top-level image_url is not read: give image/images or parts")
 
 
 def _empty(value: Any) -> bool:

@@ -6,7 +6,9 @@ Records come from :mod:`.readers` (any format, streamed) and take their shape fr
 with the same message so the caller can record them. Conversations whose prompt side
 (system, user and tool turns, and tools) equals an earlier one are always skipped and
 recorded, keeping the first: regeneration ignores the reference answers, so generating
-the same prompt twice only spends budget twice.
+the same prompt twice only spends budget twice. A record naming an image that cannot be
+read (missing, corrupt, a malformed data URI) is skipped and recorded whatever
+``on_invalid`` says: the rest of the dataset is usable as it is.
 
 Memory stays bounded by the batch the reader holds plus 8-byte digests of the ids
 and prompts seen, so a multi-GB source streams through.
@@ -23,8 +25,9 @@ from typing import Any, Literal
 
 from ..config import canonical_json
 from ..errors import PromptFormatError
+from ..images import LoadedImage
 from .readers import Location, RecordProblem, iter_records
-from .shapes import FORMATS, ROLES, Bad, FieldMap, normalise
+from .shapes import FORMATS, ROLES, Bad, FieldMap, UnreadableImage, normalise
 
 __all__ = [
     "FORMATS",
@@ -70,6 +73,9 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None
     file: str = ""
     record: int | None = None
+    # The distinct images of the messages (first-seen order), carried from ingest to the
+    # image table: the stage writes them and keeps the conversation without them.
+    images: tuple[LoadedImage, ...] = field(default=(), repr=False)
 
 
 @dataclass
@@ -82,11 +88,17 @@ class IngestStats:
     unused_fields: Counter[str] = field(default_factory=Counter)
     duplicate_key_records: int = 0
     first_duplicate_keys: str | None = None
-    reasons: Counter[str] = field(default_factory=Counter)  # invalid records by field
+    reasons: Counter[str] = field(default_factory=Counter)  # skipped records by field
+    unreadable_images: int = 0  # records skipped for an image that cannot be read
+
+    @property
+    def usable(self) -> int:
+        """Records that are neither invalid nor skipped for an image (duplicates count)."""
+        return self.records - self.invalid - self.unreadable_images
 
     @property
     def valid_share(self) -> float:
-        return (self.records - self.invalid) / self.records if self.records else 0.0
+        return self.usable / self.records if self.records else 0.0
 
     def warnings(self) -> list[str]:
         """One line per kind of thing that was read but not used, with its count."""
@@ -193,6 +205,11 @@ def iter_conversations(
             raise PromptFormatError(f"{location}: {reason}")
         return Skipped(location.file, location.line, reason, rid, location.record)
 
+    def unreadable(location: Location, reason: str, rid: str | None) -> Skipped:
+        stats.unreadable_images += 1
+        stats.reasons[reason.split(":", 1)[0]] += 1
+        return Skipped(location.file, location.line, reason, rid, location.record)
+
     for item in iter_records(path, split=split):
         stats.records += 1
         location = item.location
@@ -207,9 +224,13 @@ def iter_conversations(
         if not isinstance(record, Mapping):
             yield bad(location, f"(record): expected a JSON object, got {type(record).__name__}")
             continue
+        rid = None
         try:
             rid = _source_id(record)
-            shaped = normalise(record, fmt, field_map)
+            shaped = normalise(record, fmt, field_map, location.file)
+        except UnreadableImage as exc:
+            yield unreadable(location, str(exc), rid)
+            continue
         except Bad as exc:
             yield bad(location, str(exc))
             continue
@@ -247,7 +268,14 @@ def iter_conversations(
         seen.ids[id_digest] = packed
         seen.prompts[prompt_digest] = (packed, whole)
         yield Conversation(
-            cid, messages, location.line, phash, tools, location.file, location.record
+            cid,
+            messages,
+            location.line,
+            phash,
+            tools,
+            location.file,
+            location.record,
+            tuple(shaped.images),
         )
 
 

@@ -1,4 +1,5 @@
-"""The prompts stage: stream one source, order it, write the prompts table and the skips.
+"""The prompts stage: stream one source, order it, write the prompts table, the skips and
+the image table (the images of the conversations kept, written as they are read).
 
 The seeded order is a sort by ``order_key``; a source can be larger than memory, so
 conversations are written in chunks to per-bucket spill files (a bucket is a range of
@@ -12,6 +13,7 @@ import logging
 import shutil
 from bisect import bisect_left
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import pyarrow.parquet as pq
 
 from ..atomic import atomic_open, atomic_path, dumps_line
 from ..errors import PromptFormatError
+from ..images import ImageTableWriter
 from .source_files import source_files
 from .sources import Conversation, IngestStats, iter_conversations, order_key
 from .table import ARROW_SCHEMA, numbered, prompt_rows
@@ -107,6 +110,7 @@ def prepare_prompts(
     shuffle_seed: int,
     out_prompts: str,
     out_skipped: str,
+    out_images: str,
     split: str | None = None,
     fields: Mapping[str, Any] | None = None,
     min_valid_share: float = 0.5,
@@ -115,7 +119,7 @@ def prepare_prompts(
     source_bytes = sum(p.stat().st_size for p in source_files(source, split=split))
     writer = _OrderedWriter(Path(out_prompts), shuffle_seed, source_bytes)
     skipped = 0
-    with atomic_open(out_skipped) as skipped_file:
+    with atomic_open(out_skipped) as skipped_file, ImageTableWriter(out_images) as images:
         items = iter_conversations(
             source,
             fmt,
@@ -126,7 +130,7 @@ def prepare_prompts(
         )
         for item in items:
             if isinstance(item, Conversation):
-                writer.add(item)
+                writer.add(_store_images(item, images))
                 continue
             skipped += 1
             skipped_file.write(dumps_line(item.as_row()))
@@ -139,15 +143,28 @@ def prepare_prompts(
     for warning in stats.warnings():
         log.warning("%s: %s", dataset, warning)
     log.info(
-        "%s: %d conversations from %d records of %s (%d invalid, %d duplicates; see %s)",
+        "%s: %d conversations from %d records of %s (%d invalid, %d duplicates, %d with an "
+        "unreadable image; see %s); %d distinct images",
         dataset,
         count,
         stats.records,
         source,
         stats.invalid,
         stats.duplicates,
+        stats.unreadable_images,
         out_skipped,
+        len(images),
     )
+
+
+def _store_images(conversation: Conversation, images: ImageTableWriter) -> Conversation:
+    """Write a kept conversation's images; the conversation goes on without their bytes
+    (the ordering holds thousands of conversations)."""
+    if not conversation.images:
+        return conversation
+    for image in conversation.images:
+        images.add(image)
+    return replace(conversation, images=())
 
 
 def _check_readable(dataset: str, source: str, stats: IngestStats, min_valid_share: float) -> None:
@@ -158,7 +175,7 @@ def _check_readable(dataset: str, source: str, stats: IngestStats, min_valid_sha
         return
     common = ", ".join(f"{reason} ({n})" for reason, n in stats.reasons.most_common(3))
     raise PromptFormatError(
-        f"{source}: only {stats.records - stats.invalid} of {stats.records} records are valid "
+        f"{source}: only {stats.usable} of {stats.records} records are valid "
         f"({stats.valid_share:.0%}), below datasets.{dataset}.min_valid_share="
         f"{min_valid_share}; most common problems: {common} (the first skips are in the log)"
     )

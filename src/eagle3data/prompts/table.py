@@ -3,12 +3,15 @@
 One row per conversation, in the seeded order: ``index`` (position in that order),
 ``id``, ``prompt_hash`` (of what generation reads: the system, user and tool turns
 and the tools), where it came from (``source_file``, ``source_line`` for JSON Lines
-and JSON text, ``source_record``), ``messages`` (``[{role, content, tool_calls,
+and JSON text, ``source_record``), ``messages`` (``[{role, content, parts, tool_calls,
 tool_call_id, name}]``, source assistant turns kept as references; ``tool_calls`` as
-a JSON string, unset keys null) and ``tools`` (a JSON string, or null).
+a JSON string, unset keys null) and ``tools`` (a JSON string, or null). A message with
+images has its list of parts as a JSON string in ``parts`` and their text joined in
+``content`` (:func:`eagle3data.images.content_text`), so a reader of the text sees it;
+``parts`` is null for text content. The images are in the image table beside it.
 
 :func:`iter_prompts` gives rows back in the normalised form of :mod:`.shapes`:
-unset message keys absent, ``tool_calls`` and ``tools`` decoded. Generation, the
+unset message keys absent, ``tool_calls``, ``tools`` and parts decoded. Generation, the
 status command and the dry run read the table here.
 """
 
@@ -24,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..atomic import atomic_path
+from ..images import content_text
 from .sources import Conversation
 
 _OPTIONAL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
@@ -34,9 +38,11 @@ def _dumps(value: Any) -> str | None:
 
 
 def _stored_message(message: dict[str, Any]) -> dict[str, Any]:
+    content = message["content"]
     return {
         "role": message["role"],
-        "content": message["content"],
+        "content": content_text(content),
+        "parts": None if isinstance(content, str) else _dumps(content),
         "tool_calls": _dumps(message.get("tool_calls")),
         "tool_call_id": message.get("tool_call_id"),
         "name": message.get("name"),
@@ -44,7 +50,9 @@ def _stored_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _normalised_message(stored: dict[str, Any]) -> dict[str, Any]:
-    message = {"role": stored["role"], "content": stored["content"]}
+    parts = stored.get("parts")
+    content = stored["content"] if parts is None else json.loads(parts)
+    message = {"role": stored["role"], "content": content}
     for key in _OPTIONAL_MESSAGE_KEYS:
         value = stored.get(key)
         if value is not None:
@@ -53,7 +61,7 @@ def _normalised_message(stored: dict[str, Any]) -> dict[str, Any]:
 
 
 ARROW_MESSAGE = pa.struct(
-    [(name, pa.string()) for name in ("role", "content", *_OPTIONAL_MESSAGE_KEYS)]
+    [(name, pa.string()) for name in ("role", "content", "parts", *_OPTIONAL_MESSAGE_KEYS)]
 )
 ARROW_SCHEMA = pa.schema(
     [

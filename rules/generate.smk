@@ -5,6 +5,7 @@ rule generate:
     input:
         prompts=rules.prompts.output.prompts,
         skipped=rules.prompts.output.skipped,
+        images=rules.prompts.output.images,
         model=model_config_file(),
     output:
         responses=layout.RESPONSES,

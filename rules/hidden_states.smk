@@ -23,6 +23,7 @@ rule hidden_states:
         plan=ancient(layout.SHARD_PLAN),
         tokenized=ancient(layout.TOKENIZED),
         tokenize_stats=ancient(layout.TOKENIZE_STATS),
+        images=ancient(layout.PROMPT_IMAGES),
         model=model_config_file(),
     output:
         shard=layout.SHARD,

@@ -45,6 +45,7 @@ if __name__ == "__main__":
             model_path=str(Path(snakemake.input.model).parent),
             # A provenance label: read from the config, not params (rerun triggers).
             model_label=model_name(snakemake.config["model"]),
+            images_path=snakemake.input.images,
         ),
         capture=capture,
         threads=snakemake.threads,

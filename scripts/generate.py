@@ -26,6 +26,7 @@ run_step(
     max_samples=snakemake.params.max_samples,
     prompts_path=snakemake.input.prompts,
     skipped_path=snakemake.input.skipped,
+    images_path=snakemake.input.images,
     out_responses=snakemake.output.responses,
     out_stats=snakemake.output.stats,
     out_errors=snakemake.output.errors,

@@ -85,10 +85,14 @@ def validated(messages: Sequence[Message]) -> list[dict[str, Any]]:
 
 
 def _check_fields(i: int, role: str, message: Mapping[str, Any]) -> None:
-    if not isinstance(message.get("content"), str):
+    content = message.get("content")
+    if isinstance(content, list) and role == "user":
+        _check_parts(i, content)
+    elif not isinstance(content, str):
         raise ChatTemplateError(
-            f"turn {i} ({role}): content must be a string, "
-            f"got {type(message.get('content')).__name__}"
+            f"turn {i} ({role}): content must be a string"
+            + (" or, on a user turn, a list of text and image parts" if role == "user" else "")
+            + f", got {type(content).__name__}"
         )
     reasoning = message.get("reasoning_content")
     if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
@@ -104,6 +108,20 @@ def _check_fields(i: int, role: str, message: Mapping[str, Any]) -> None:
     for key in ("tool_call_id", "name"):
         if message.get(key) is not None and not isinstance(message[key], str):
             raise ChatTemplateError(f"turn {i} ({role}): {key} must be a string")
+
+
+def _check_parts(i: int, parts: list[Any]) -> None:
+    """A user turn's parts as :mod:`eagle3data.images` normalises them: chat templates
+    render an ``image`` part as the model's image placeholder."""
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind == "image" and isinstance(part.get("image"), str):
+            continue
+        raise ChatTemplateError(
+            f"turn {i} (user): content[{k}] must be a text or an image part, got {part!r:.80}"
+        )
 
 
 def _are_tool_calls(calls: Any) -> bool:

@@ -23,13 +23,16 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote_to_bytes
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .atomic import atomic_path
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 IMAGE = "image"
 TEXT = "text"
@@ -135,6 +138,22 @@ def load_image(data: bytes, where: str) -> LoadedImage:
     """Hash and decode image bytes; raises :class:`ImageError` naming ``where``."""
     mime, width, height = decode_image(data, where)
     return LoadedImage(image_sha256(data), mime, width, height, data)
+
+
+def pil_image(data: bytes) -> Image:
+    """Image bytes as the RGB picture a processor takes (servers convert theirs so too)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return image.convert("RGB")
+
+
+class ImageSource(Protocol):
+    """Where an engine reads an image part's bytes (an :class:`ImageTable`)."""
+
+    def get(self, sha256: str) -> bytes: ...
+
+    def info(self, sha256: str) -> ImageInfo: ...
 
 
 def data_uri(data: bytes, mime: str) -> str:

@@ -99,6 +99,22 @@ def declared_dtype(config: Any) -> str:
     return "float32"
 
 
+# Where image-text models name the token an image placeholder expands to: Qwen-VL and
+# transformers' Kimi-K2.5 ``image_token_id``, LLaVA ``image_token_index``, K2.5's own
+# config.json ``media_placeholder_token_id``.
+_IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index", "media_placeholder_token_id")
+
+
+def image_token_id(config: Any) -> int | None:
+    """The id each image's tokens carry in the expanded input ids; None: a text model."""
+    top, _ = _levels(config)
+    for key in _IMAGE_TOKEN_KEYS:
+        value = top.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 def is_wrapper(config: Any) -> bool:
     """A multimodal wrapper: the text decoder's config is nested in ``text_config``."""
     return _levels(config)[1] is not None

@@ -16,7 +16,8 @@ Two shapes of real targets shape this module:
   weight for text, so :func:`load_causal_lm` builds the text decoder from
   ``text_config`` and maps the checkpoint's names onto it (transformers' own
   ``key_mapping``). A weight of the decoder missing from the checkpoint is an error,
-  never a silently random layer.
+  never a silently random layer. Image prompts need the whole model, vision tower
+  included, and its processor (:func:`load_image_text_model`).
 """
 
 from __future__ import annotations
@@ -137,3 +138,68 @@ def load_causal_lm(
         model.to(resolve_device(device))
     model.eval()
     return model, load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+
+
+def is_image_text_model(model_path: str | Path) -> bool:
+    """A target that reads images: its config names an image token and its directory has
+    an image processor (a text-only export of a VLM has neither)."""
+    from .model_config import image_token_id
+
+    config = read_model_config(model_path)
+    return image_token_id(config) is not None and (
+        Path(model_path, "preprocessor_config.json").is_file()
+    )
+
+
+def load_image_text_model(
+    model_path: str | Path,
+    *,
+    dtype: str,
+    device: str,
+    trust_remote_code: bool,
+    gpus: int = 1,
+) -> tuple[Any, Any]:
+    """Load (the whole image-text model, its processor) for image prompts, eval mode.
+
+    The processor is the model's own (``AutoProcessor``: remote code where the directory
+    ships it): it expands each image placeholder to the image's tokens exactly as SGLang
+    and vLLM do, since they run the same processor.
+    """
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from .torch_utils import resolve_device, resolve_dtype
+
+    raw = read_model_config(model_path)
+    try:
+        processor = AutoProcessor.from_pretrained(
+            model_path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except ImportError as exc:  # e.g. a processor that needs torchvision
+        raise ModelConfigError(
+            f"{model_path}: the target's processor does not load here ({exc}); "
+            "image prompts need it (install what it names)"
+        ) from None
+    if not hasattr(processor, "image_processor"):
+        raise ModelConfigError(
+            f"{model_path}: the target's processor ({type(processor).__name__}) reads no "
+            "images: is it an image-text model?"
+        )
+    multi_gpu = gpus > 1 and resolve_device(device).type == "cuda"
+    model, info = AutoModelForImageTextToText.from_pretrained(
+        model_path,
+        dtype=resolve_dtype(dtype, raw),
+        local_files_only=True,
+        trust_remote_code=trust_remote_code,
+        output_loading_info=True,
+        **({"device_map": "auto"} if multi_gpu else {}),
+    )
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise ModelConfigError(
+            f"{model_path}: {len(missing)} weight(s) of the image-text model are not in the "
+            f"checkpoint (e.g. {missing[:3]}); refusing to run with randomly initialised layers"
+        )
+    if not multi_gpu:
+        model.to(resolve_device(device))
+    model.eval()
+    return model, processor

@@ -188,7 +188,7 @@ def qwen2_vl_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2VLConfig:
         "vocab_size": len(tokenizer),
         "hidden_size": 64,
         "intermediate_size": 128,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": 4,  # three distinct aux layers below the last
         "num_attention_heads": 2,
         "num_key_value_heads": 2,
         "max_position_embeddings": 4096,
@@ -223,10 +223,33 @@ def qwen2_vl_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2VLConfig:
     )
 
 
-def make_qwen2_vl_dir(out: Path) -> Path:
+# A processor shipped as remote code (as Kimi-K2.5's is): Qwen2VLProcessor without its video
+# processor, so that ``AutoProcessor.from_pretrained(dir, trust_remote_code=True)`` loads
+# where torchvision is missing (the main test venv). See qwen2_vl_image_only_processor_class.
+_IMAGE_ONLY_PROCESSOR_CODE = '''"""Qwen2VLProcessor without its video processor (images, text)."""
+
+from transformers import Qwen2VLProcessor
+from transformers.processing_utils import ProcessorMixin
+
+
+class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
+        self.video_token = getattr(tokenizer, "video_token", "<|video_pad|>")
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+'''
+
+
+def make_qwen2_vl_dir(out: Path, *, remote_processor: bool = False) -> Path:
     """A complete tiny random Qwen2-VL-Instruct directory at ``out`` (created if missing).
 
-    Decoder: 2 layers, hidden 64, 2 heads of 32; vision tower: 1 block, width 64, 2 heads,
+    ``remote_processor``: the processor is remote code (``processing_qwen2_vl_images.py``,
+    ``auto_map``) without the video part, so ``AutoProcessor`` loads it without torchvision
+    (with ``trust_remote_code``), as the pipeline loads a target's processor.
+
+    Decoder: 4 layers, hidden 64, 2 heads of 32; vision tower: 1 block, width 64, 2 heads,
     14-pixel patches, 2x2 merge into the decoder's width. bf16 like the real checkpoint.
     A 56x56 image is 4 image tokens, 100x60 (width x height) is 8. Seeded: the same
     bytes on every build. Takes well under a second.
@@ -255,7 +278,14 @@ def make_qwen2_vl_dir(out: Path) -> Path:
     # What Qwen2VLProcessor.save_pretrained writes (it cannot be built without torchvision).
     # No video_preprocessor_config.json, like the hub repo: the video processor then reads
     # preprocessor_config.json.
-    _write_json(out / "processor_config.json", {"processor_class": "Qwen2VLProcessor"})
+    processor_config: dict[str, Any] = {"processor_class": "Qwen2VLProcessor"}
+    if remote_processor:
+        (out / "processing_qwen2_vl_images.py").write_text(_IMAGE_ONLY_PROCESSOR_CODE)
+        processor_config = {
+            "processor_class": "Qwen2VLImageOnlyProcessor",
+            "auto_map": {"AutoProcessor": "processing_qwen2_vl_images.Qwen2VLImageOnlyProcessor"},
+        }
+    _write_json(out / "processor_config.json", processor_config)
     return out
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_path, write_json, write_jsonl
+from ..images import ImageTable, has_images
 from ..layout import JOURNAL, Results
 from ..prompts.table import iter_prompts
 from ..target import check_remote_code
@@ -34,19 +36,22 @@ def generate(
     out_records: str,
     results: Results | None = None,
     threads: int | None = None,
+    images_path: str | None = None,
 ) -> None:
-    """``settings``: what changes the output (the journal's key) and how to run it."""
+    """``settings``: what changes the output (the journal's key) and how to run it;
+    ``images_path``: the dataset's image table (read only when a prompt has images)."""
     # Before any server is asked: tokenize will need the target's own tokenizer.
     check_remote_code(settings.model_path, settings.trust_remote_code)
     key = settings.key()
     journal = (results or Results()).path(JOURNAL, dataset=dataset, key=key)
     describe_journal(journal, settings.content)
+    prompts = [
+        Prompt(r["id"], r["prompt_hash"], r["messages"], r.get("tools"))
+        for r in iter_prompts(prompts_path)
+    ]
     job = GenerationJob(
         dataset=dataset,
-        prompts=[
-            Prompt(r["id"], r["prompt_hash"], r["messages"], r.get("tools"))
-            for r in iter_prompts(prompts_path)
-        ],
+        prompts=prompts,
         journal=journal,
         model=settings.model,
         sampling=settings.sampling,
@@ -59,17 +64,23 @@ def generate(
     streaming = is_streaming(settings.backend)
     # HTTP: each endpoint's concurrency is the run's, shared with the other datasets' jobs.
     slot_dir = slot_root(results) if streaming else None
-    result = run_generation(
-        job,
-        lambda: build_engine(settings, threads=threads, label=dataset, slot_dir=slot_dir),
-        streaming=streaming,
-        error_limits=ErrorLimits(
-            max_consecutive_failures=settings.max_consecutive_failures,
-            max_error_rate=settings.max_error_rate,
+    with contextlib.ExitStack() as open_files:
+        images = None
+        if images_path is not None and any(has_images(p.messages) for p in prompts):
+            images = open_files.enter_context(ImageTable(images_path))
+        result = run_generation(
+            job,
+            lambda: build_engine(
+                settings, threads=threads, label=dataset, slot_dir=slot_dir, images=images
+            ),
+            streaming=streaming,
+            error_limits=ErrorLimits(
+                max_consecutive_failures=settings.max_consecutive_failures,
+                max_error_rate=settings.max_error_rate,
+            )
+            if streaming
+            else None,
         )
-        if streaming
-        else None,
-    )
     stats = dict(result.stats)
     stats["skipped_input"] = len(Path(skipped_path).read_text(encoding="utf-8").splitlines())
     stats["settings_key"] = key

@@ -38,9 +38,10 @@ class Extractor(Protocol):
     dtype: torch.dtype
     final_state: str
 
-    def forward(
-        self, samples: Sequence[Sequence[int]]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+    def forward(self, samples: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(aux, last) per sample; a backend that captures images (transformers) also takes
+        ``images=``, each sample's pictures in order."""
+        ...
 
     def capture_fingerprint(self) -> dict[str, Any]:
         """Its part of the shards' fingerprint (:mod:`.fingerprint`): ``engine``,

@@ -462,11 +462,11 @@ class _Attended:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._extractor, name)
 
-    def forward(self, samples: Any) -> Any:
+    def forward(self, samples: Any, **images: Any) -> Any:
         # The job sends nothing while it waits: anything readable is its end of file.
         if self._conn.poll():
             raise _ClientGone
-        return self._extractor.forward(samples)
+        return self._extractor.forward(samples, **images)
 
 
 def _watch(directory: Path, owner: str, idle_s: float, state: dict[str, float]) -> None:

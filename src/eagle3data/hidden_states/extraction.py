@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ValidationError
+from ..images import ImageTable, pil_image
 from ..model_config import read_model_config, weights_quantization
 from ..shards import ShardWriter
-from ..tokenization.table import read_row_range
+from ..tokenization.table import read_row_images, read_row_range
 from . import final_state, fingerprint
 from .backends import Extractor, build_extractor
 from .planning import shard_spec
@@ -30,6 +31,7 @@ from .settings import CaptureSettings
 
 if TYPE_CHECKING:
     import torch
+    from PIL.Image import Image
 
 # How conversations became samples (chat module docstring), for the people who train.
 SAMPLES_ATTR = (
@@ -88,12 +90,14 @@ def extract_into_shard(
     batch_tokens: int,
     background_writes: bool = True,
     on_batch: Callable[[int, int, int], None] | None = None,
+    images: Callable[[int], list[Image]] | None = None,
 ) -> None:
     """Compute and store the hidden states of one shard's samples, in shard order.
 
     The samples are declared to ``writer`` first (ids, tokens, masks, offsets), then
     computed in length-sorted batches; each batch's rows go to their final offsets as
-    soon as the batch is done. ``on_batch(n, of, samples_in_batch)`` reports progress.
+    soon as the batch is done. ``on_batch(n, of, samples_in_batch)`` reports progress;
+    ``images(i)`` gives sample ``i``'s images (read per batch, never the shard's at once).
     """
     writer.declare_samples(sample_ids, input_ids, loss_masks)
     batches = length_batches([len(x) for x in input_ids], batch_tokens)
@@ -105,7 +109,11 @@ def extract_into_shard(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
         pending: deque[Future[None]] = deque()
         for n, batch in enumerate(batches, start=1):
-            states = extractor.forward([input_ids[i] for i in batch])
+            samples = [input_ids[i] for i in batch]
+            if images is None:
+                states = extractor.forward(samples)
+            else:
+                states = extractor.forward(samples, images=[images(i) for i in batch])
             if background_writes:
                 pending.append(pool.submit(write, batch, states))
                 while len(pending) > _WRITES_IN_FLIGHT:
@@ -131,6 +139,7 @@ class ShardJob:
     out_shard: str
     model_path: str
     model_label: str  # provenance only (the shards' ``model`` attribute)
+    images_path: str | None = None  # the dataset's image table (prompts with images)
 
 
 def extract_shard(
@@ -197,8 +206,10 @@ def extract_shard(
             "%s shard %d: batch %d/%d (%d conversations)", dataset, shard, n, of, conversations
         )
 
+    sample_images = read_row_images(tokenized_path, spec["start"], spec["end"])
     # Streams: each batch's rows are written at their offsets as the batch finishes.
     try:
+        images = _images_of(job, capture, sample_images)
         with ShardWriter(
             job.out_shard,
             hidden_size=extractor.hidden_size,
@@ -215,6 +226,7 @@ def extract_shard(
                 masks,
                 batch_tokens=capture.batch_tokens,
                 on_batch=progress,
+                images=images,
             )
     finally:
         # Per-shard accounting (which ranks wrote the rows) goes to this shard's log.
@@ -227,3 +239,21 @@ def extract_shard(
         if owned and close is not None:
             close()
     log.info("%s shard %d: wrote %d conversations to %s", dataset, shard, len(ids), job.out_shard)
+
+
+def _images_of(
+    job: ShardJob, capture: CaptureSettings, sample_images: Sequence[Sequence[str]]
+) -> Callable[[int], list[Image]] | None:
+    """Sample ``i``'s images, read from the dataset's image table when asked; None for a
+    shard of text samples."""
+    if not any(sample_images):
+        return None
+    if capture.backend != "transformers":
+        raise ValidationError(
+            f"{job.dataset} shard {job.shard}: samples with images are captured by "
+            f"hidden_states.backend transformers only, not {capture.backend} (yet)"
+        )
+    if job.images_path is None:
+        raise ValidationError(f"{job.dataset} shard {job.shard}: images, but no image table")
+    table = ImageTable(job.images_path)
+    return lambda i: [pil_image(table.get(sha)) for sha in sample_images[i]]

@@ -160,8 +160,9 @@ def response_sample_errors(
     if not responses:
         return []
     tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+    image_token = model_config.image_token_id(model_config.read_model_config(model_path))
     return [
-        *_retokenized_errors(tokenizer, responses, shard_paths, tokenize),
+        *_retokenized_errors(tokenizer, responses, shard_paths, tokenize, image_token),
         *response_mask_errors(
             tokenizer,
             responses,
@@ -195,7 +196,8 @@ def retokenize_errors(
     if not responses:
         return []
     tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
-    return _retokenized_errors(tokenizer, responses, shard_paths, tokenize)
+    image_token = model_config.image_token_id(model_config.read_model_config(model_path))
+    return _retokenized_errors(tokenizer, responses, shard_paths, tokenize, image_token)
 
 
 def _retokenized_errors(
@@ -203,6 +205,7 @@ def _retokenized_errors(
     responses: Sequence[SampledResponse],
     shard_paths: Sequence[str],
     tokenize: TokenizeSettings,
+    image_token: int | None = None,
 ) -> list[str]:
     from ..tokenization.samples import tokenize_response
 
@@ -213,6 +216,7 @@ def _retokenized_errors(
             tokenizer,
             response.row,
             **tokenize.render_options(),
+            image_token=image_token,
         )
         samples = made.samples
         for tok in samples:
@@ -447,6 +451,13 @@ def validate(
         # None: the check was off (validate.agreement.enabled: false).
         "agreement": agreement_section,
     }
+    image_token = (
+        None
+        if model_path is None
+        else model_config.image_token_id(model_config.read_model_config(model_path))
+    )
+    if image_token is not None:  # an image-text target: how many tokens are images' (no loss)
+        manifest["num_image_tokens"] = _count_token(shard_paths, image_token)
     write_json(out_manifest, manifest)
     log.info(
         "%s: %d shards, %d samples, %d tokens validated",
@@ -473,3 +484,11 @@ def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "tolist"):
         return obj.tolist()
     return obj
+
+
+def _count_token(shard_paths: Sequence[str], token: int) -> int:
+    count = 0
+    for path in shard_paths:
+        with open_shard(path) as shard:
+            count += int((shard.input_ids[:] == token).sum())
+    return count

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 TOKEN_IDS_FIELD = "return_token_ids"
@@ -28,11 +28,13 @@ def request_body(
     extra_body: Mapping[str, Any],
     tools: Sequence[Mapping[str, Any]] | None = None,
     return_token_ids: bool = False,
+    image_url: Callable[[str], str] | None = None,
 ) -> dict[str, Any]:
-    """The /chat/completions body: OpenAI fields plus the SGLang/vLLM extensions."""
+    """The /chat/completions body: OpenAI fields plus the SGLang/vLLM extensions.
+    ``image_url`` gives the URL (a data URI) an image part's sha256 is sent as."""
     body: dict[str, Any] = {
         "model": model,
-        "messages": [_wire_message(m) for m in messages],
+        "messages": [_wire_message(m, image_url) for m in messages],
         "max_tokens": sampling["max_tokens"],
         "temperature": sampling["temperature"],
         "top_p": sampling["top_p"],
@@ -62,8 +64,23 @@ def request_body(
 _WIRE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name")
 
 
-def _wire_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in message.items() if k in _WIRE_KEYS}
+def _wire_message(
+    message: Mapping[str, Any], image_url: Callable[[str], str] | None = None
+) -> dict[str, Any]:
+    wire = {k: v for k, v in message.items() if k in _WIRE_KEYS}
+    if isinstance(wire.get("content"), list):
+        wire["content"] = [_wire_part(part, image_url) for part in wire["content"]]
+    return wire
+
+
+def _wire_part(part: Mapping[str, Any], image_url: Callable[[str], str] | None) -> dict[str, Any]:
+    """A content part as OpenAI's chat API takes it: SGLang and vLLM both read an image
+    as an ``image_url`` part (a data URI here: the server needs no access to our files)."""
+    if part["type"] != "image":
+        return dict(part)
+    if image_url is None:
+        raise ValueError("an image part, but no image table to send it from")
+    return {"type": "image_url", "image_url": {"url": image_url(part["image"])}}
 
 
 def parse_tool_calls(raw: Any) -> list[dict[str, Any]] | None:

@@ -36,6 +36,15 @@ The comparison
 
 Rows written before ids were kept, and turns of a server that returned none, take the
 re-render (:func:`..chat.tokenize_conversation`), as they always did.
+
+Images
+    The engine's prompt ids hold each image expanded to its tokens (the target's image
+    token, once per image patch group), as the target's processor expands it; the
+    template's re-render holds one placeholder per image. The comparison therefore reads
+    each run of image tokens as one. A row with images needs the engine's ids (a re-render
+    cannot know an image's token count without the processor), and a sample cut at
+    ``max_seq_len`` is cut before an image it would split: the target sees an image whole
+    or not at all.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..chat import TokenizedConversation, tokenize_conversation, tokenize_text, turn_renders
+from ..images import has_images
 from ..turn_ids import turn_token_ids
 
 if TYPE_CHECKING:
@@ -91,12 +101,17 @@ def tokenize_response(
     chat_template_kwargs: Mapping[str, Any],
     max_seq_len: int | None,
     reasoning: str,
+    image_token: int | None = None,
 ) -> ResponseSamples:
-    """The samples of one response row (see the module docstring)."""
+    """The samples of one response row (see the module docstring); ``image_token``: the
+    target's image token id (None for a text model)."""
     messages = response["messages"]
     tools = response.get("tools")  # rendered as at generation time
     ids = turn_token_ids(response.get("turns", []))
-    if reasoning == "drop" or not ids or any(i is None for i in ids):
+    without_ids = reasoning == "drop" or not ids or any(i is None for i in ids)
+    if has_images(messages):
+        _check_image_row(without_ids, reasoning, image_token)
+    if without_ids:
         samples = tokenize_conversation(
             tokenizer,
             messages,
@@ -118,13 +133,47 @@ def tokenize_response(
         # The template's view of the turn, tokenized as a whole like the old samples.
         text = render.prompt + render.produced
         rerendered, _ = tokenize_text(tokenizer, text, [])
+        if image_token is not None:  # an image's run of tokens against its one placeholder
+            prompt, completion, rerendered = (
+                collapsed(part, image_token) for part in (prompt, completion, rerendered)
+            )
         difference = _difference(tokenizer, render.index, prompt, completion, rerendered)
         if difference is None:
             identical += 1
         else:
             differences.append(difference)
-    samples = [_truncated(s, max_seq_len) for s in samples_from_ids(engine_turns)]
+    samples = [_truncated(s, max_seq_len, image_token) for s in samples_from_ids(engine_turns)]
     return ResponseSamples(samples, "engine_ids", identical, differences)
+
+
+def _check_image_row(without_ids: bool, reasoning: str, image_token: int | None) -> None:
+    if image_token is None:
+        raise ValueError(
+            "the row has images, but the target's config.json names no image token "
+            "(image_token_id): is the model an image-text one?"
+        )
+    if reasoning == "drop":
+        raise ValueError(
+            "tokenize.reasoning: drop re-renders every turn, and a re-render cannot expand "
+            "an image to its tokens: rows with images need reasoning: keep"
+        )
+    if without_ids:
+        raise ValueError(
+            "the row has images but no token ids from the engine (generation.return_token_ids "
+            "true, a server that returns them): a re-render cannot expand an image to its tokens"
+        )
+
+
+def collapsed(ids: Sequence[int], token: int) -> list[int]:
+    """``ids`` with each run of ``token`` as one."""
+    return [t for k, t in enumerate(ids) if t != token or k == 0 or ids[k - 1] != token]
+
+
+def image_runs(ids: Sequence[int], token: int | None) -> int:
+    """How many images ``ids`` hold (runs of the image token)."""
+    if token is None:
+        return 0
+    return sum(1 for k, t in enumerate(ids) if t == token and (k == 0 or ids[k - 1] != token))
 
 
 def samples_from_ids(
@@ -168,12 +217,19 @@ def _run_sample(
     return TokenizedConversation(ids, mask, len(ids), turn)
 
 
-def _truncated(sample: TokenizedConversation, max_seq_len: int | None) -> TokenizedConversation:
+def _truncated(
+    sample: TokenizedConversation, max_seq_len: int | None, image_token: int | None = None
+) -> TokenizedConversation:
     if max_seq_len is None or len(sample.input_ids) <= max_seq_len:
         return sample
+    cut = max_seq_len
+    ids = sample.input_ids
+    if image_token is not None and ids[cut] == image_token:
+        while cut > 0 and ids[cut - 1] == image_token:  # never inside an image: before it
+            cut -= 1
     return TokenizedConversation(
-        sample.input_ids[:max_seq_len],
-        sample.loss_mask[:max_seq_len],
+        sample.input_ids[:cut],
+        sample.loss_mask[:cut],
         sample.num_tokens_before_truncation,
         sample.turn,
     )

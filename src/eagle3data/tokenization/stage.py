@@ -20,6 +20,8 @@ from typing import Any
 
 from ..atomic import write_json
 from ..errors import ChatTemplateError, ResponseError
+from ..images import message_images
+from ..model_config import image_token_id, read_model_config
 from .samples import ResponseSamples
 from .settings import TokenizeSettings
 from .table import SCHEMA, sample_id_of, write_tokenized
@@ -39,9 +41,10 @@ def tokenize(
 ) -> None:
     from ..target import load_tokenizer
     from ..tokenizer_hashes import chat_template_hash, tokenizer_hash
-    from .samples import tokenize_response
+    from .samples import image_runs, tokenize_response
 
     tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+    image_token = image_token_id(read_model_config(model_path))
     rows: dict[str, list[Any]] = {k: [] for k in SCHEMA}
     dropped = []
     n_in = 0
@@ -56,12 +59,14 @@ def tokenize(
                     tokenizer,
                     resp,
                     **settings.render_options(),
+                    image_token=image_token,
                 )
             except (ValueError, ChatTemplateError) as exc:
                 raise ResponseError(
                     f"{responses_path}:{line_no} (id {resp.get('id')!r}): {exc}"
                 ) from exc
             samples = made.samples
+            images = message_images(resp["messages"])
             ids.add(resp, made)
             per_turn += len(samples) > 1
             for tok in samples:
@@ -86,6 +91,9 @@ def tokenize(
                 rows["loss_mask"].append(tok.loss_mask)
                 rows["num_tokens"].append(len(tok.input_ids))
                 rows["truncated"].append(tok.num_tokens_before_truncation > len(tok.input_ids))
+                # A sample holds its conversation's first images (a later turn's render
+                # holds every image before it; a cut leaves an image out whole).
+                rows["images"].append(images[: image_runs(tok.input_ids, image_token)])
     df = write_tokenized(out_tokenized, rows)
     stats = {
         "dataset": dataset,
@@ -96,6 +104,7 @@ def tokenize(
         "tokens": int(df["num_tokens"].sum() or 0),
         "loss_tokens": int(df["loss_mask"].list.sum().sum() or 0),
         "truncated": int(df["truncated"].sum() or 0),
+        "samples_with_images": int((df["images"].list.len() > 0).sum()),
         "max_seq_len": settings.max_seq_len,
         "reasoning": settings.reasoning,
         # Conversations trained as more than one sample: split at the turns whose history

@@ -5,7 +5,9 @@ One row per training sample that has something to learn, in response order: ``in
 :func:`sample_id_of`), ``turn`` (null for a whole conversation, else the message index of
 the first assistant turn the sample trains), ``input_ids`` (int32), ``loss_mask`` (uint8,
 1 on what the target produced), ``num_tokens`` and ``truncated`` (cut at
-``max_seq_len``). Shard planning, extraction and the draft vocabulary read it back here.
+``max_seq_len``) and ``images`` (the sha256 of each image whose tokens the sample holds,
+in order: the dataset's image table has them; empty for text). Shard planning,
+extraction and the draft vocabulary read it back here.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ SCHEMA = {
     "loss_mask": pl.List(pl.UInt8),
     "num_tokens": pl.UInt32,
     "truncated": pl.Boolean,
+    "images": pl.List(pl.String),
 }
 # What a hidden-state shard is made of.
 SHARD_COLUMNS = ["id", "num_tokens", "input_ids", "loss_mask"]
@@ -49,6 +52,14 @@ def write_tokenized(path: str | Path, rows: Mapping[str, Sequence[Any]]) -> pl.D
 
 def read_rows(path: str | Path, columns: Sequence[str] = SHARD_COLUMNS) -> pl.DataFrame:
     return pl.read_parquet(path, columns=list(columns))
+
+
+def read_row_images(path: str | Path, start: int, end: int) -> list[list[str]]:
+    """The ``images`` of rows [start, end) (empty lists from a table written before it)."""
+    lazy = pl.scan_parquet(path)
+    if "images" not in lazy.collect_schema().names():
+        return [[] for _ in range(end - start)]
+    return lazy.select("images").slice(start, end - start).collect()["images"].to_list()
 
 
 def read_row_range(path: str | Path, start: int, end: int) -> pl.DataFrame:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import EngineUnavailable
+from ...images import ImageSource
 from ...servers.http import TransientError
 from ..settings import GenerationSettings
 from .protocol import (
@@ -66,22 +67,26 @@ def build_engine(
     threads: int | None = None,
     label: str = "generation",
     slot_dir: str | os.PathLike[str] | None = None,
+    images: ImageSource | None = None,
 ) -> Engine | AsyncEngine:
     """The engine of ``settings.backend``.
 
     ``label`` (the dataset) names the engine's own progress lines; ``slot_dir`` (HTTP
     engines) is where the run's endpoint slots are: each endpoint's ``concurrency`` is then
-    shared with the run's other generate jobs (:mod:`.endpoint_slots`).
+    shared with the run's other generate jobs (:mod:`.endpoint_slots`). ``images``: the
+    dataset's image table, for prompts with images (None: text prompts only).
     """
     backend = settings.backend
     if backend == "transformers":
-        return _transformers_engine(settings, threads, label)
+        return _transformers_engine(settings, threads, label, images)
     if backend == "openai":
-        return _openai_engine(settings, slot_dir)
+        return _openai_engine(settings, slot_dir, images)
     raise ValueError(f"generation.backend must be one of {list(BACKENDS)}, got {backend!r}")
 
 
-def _transformers_engine(settings: GenerationSettings, threads: int | None, label: str) -> Engine:
+def _transformers_engine(
+    settings: GenerationSettings, threads: int | None, label: str, images: ImageSource | None
+) -> Engine:
     from ...torch_utils import set_threads
     from .transformers_engine import TransformersEngine
 
@@ -95,11 +100,14 @@ def _transformers_engine(settings: GenerationSettings, threads: int | None, labe
         trust_remote_code=settings.trust_remote_code,
         progress_interval_s=settings.progress_interval_s,
         label=label,
+        images=images,
     )
 
 
 def _openai_engine(
-    settings: GenerationSettings, slot_dir: str | os.PathLike[str] | None = None
+    settings: GenerationSettings,
+    slot_dir: str | os.PathLike[str] | None = None,
+    images: ImageSource | None = None,
 ) -> AsyncEngine:
     from .openai_engine import HttpSettings, OpenAIEngine
 
@@ -130,6 +138,7 @@ def _openai_engine(
         count_tokens=_lazy_token_counter(
             settings.model_path, trust_remote_code=settings.trust_remote_code
         ),
+        images=images,
     )
 
 

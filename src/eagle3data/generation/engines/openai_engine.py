@@ -69,6 +69,7 @@ from tenacity import (
 )
 
 from ...errors import EngineUnavailable
+from ...images import ImageSource, data_uri
 from ...schema import from_schema
 from ...servers.http import (
     RETRY_STATUS,
@@ -148,6 +149,7 @@ class OpenAIEngine:
         seed: int,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         count_tokens: Any = None,
+        images: ImageSource | None = None,
     ) -> None:
         if not settings.endpoints:
             raise EngineUnavailable("generation.endpoints is empty: name at least one server URL")
@@ -156,6 +158,7 @@ class OpenAIEngine:
         self.seed = seed
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.count_tokens = count_tokens  # fallback when a server reports no usage
+        self.images = images  # where image parts' bytes are read; None: text prompts only
         self.pool = EndpointPool(
             settings.endpoints,
             settings.concurrency,
@@ -330,6 +333,11 @@ class OpenAIEngine:
         for p in problems:
             log.warning("endpoint unusable at start, paused: %s", p)
 
+    def _image_url(self, sha256: str) -> str:
+        """An image part as a data URI: the server needs no access to our files."""
+        assert self.images is not None
+        return data_uri(self.images.get(sha256), self.images.info(sha256).mime)
+
     async def complete(
         self, messages: Sequence[Message], tools: Tools | None = None
     ) -> Completion | TurnFailure:
@@ -342,6 +350,7 @@ class OpenAIEngine:
             extra_body=self.settings.extra_body,
             tools=tools,
             return_token_ids=self.settings.return_token_ids,
+            image_url=None if self.images is None else self._image_url,
         )
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(TransientError),

@@ -21,6 +21,11 @@ Token ids: each completion carries the prompt ids it was generated from and the 
 generated, up to and including the token that ended it (the EOS, or the one that completed
 a stop string), as SGLang and vLLM return them.
 
+Images: with an image source, the whole image-text model and its processor are loaded
+(:func:`...target.load_image_text_model`); a conversation with images is rendered by the
+chat template (one placeholder per image), expanded and given its pixels by the processor,
+and generated alone; its prompt ids are the expanded ones, as the servers return them.
+
 Progress: a batch of long completions can take minutes, and the driver logs only between
 batches, so the engine logs how far the batch in hand has got every
 ``progress_interval_s`` (tokens per conversation so far, conversations finished).
@@ -38,8 +43,9 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ...chat import THINK_CLOSE, THINK_OPEN, render, split_reasoning
+from ...images import ImageSource, has_images, message_images, pil_image
 from ...model_config import context_length
-from ...target import load_causal_lm
+from ...target import load_causal_lm, load_image_text_model
 from .protocol import OVER_CONTEXT, Completion, Message, Tools, TurnFailure
 
 log = logging.getLogger(__name__)
@@ -91,12 +97,21 @@ class TransformersEngine:
         trust_remote_code: bool = False,
         progress_interval_s: float | None = None,
         label: str = "generation",
+        images: ImageSource | None = None,
     ) -> None:
         self.progress_interval_s = progress_interval_s  # None: no progress within a batch
         self.label = label  # names the dataset in progress lines
-        self.model, self.tokenizer = load_causal_lm(
-            model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code
-        )
+        self.images = images  # the dataset's image table; None: text prompts only
+        self.processor: Any = None
+        if images is None:
+            self.model, self.tokenizer = load_causal_lm(
+                model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code
+            )
+        else:
+            self.model, self.processor = load_image_text_model(
+                model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code
+            )
+            self.tokenizer = self.processor.tokenizer
         self.sampling = dict(sampling)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # The text decoder's context (a wrapper's top level declares none): 0 = unknown.
@@ -153,6 +168,7 @@ class TransformersEngine:
         results: list[Completion | TurnFailure | None] = [None] * len(conversations)
         prompts: list[list[int]] = []
         texts: list[str] = []
+        with_images: dict[int, Mapping[str, torch.Tensor]] = {}  # row -> processor outputs
         offered = list(tools) if tools is not None else [None] * len(conversations)
         keep_special = [bool(t) for t in offered]
         for conv, conv_tools in zip(conversations, offered, strict=True):
@@ -164,7 +180,12 @@ class TransformersEngine:
                 tools=conv_tools,
             )
             texts.append(text)
-            prompts.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if has_images(conv):
+                inputs = self._image_inputs(text, conv)
+                with_images[len(prompts)] = inputs
+                prompts.append(inputs["input_ids"][0].tolist())
+            else:
+                prompts.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
         max_tokens = int(self.sampling["max_tokens"])
         batch: list[int] = []
@@ -173,6 +194,11 @@ class TransformersEngine:
                 results[i] = TurnFailure(
                     f"prompt has {len(ids)} tokens; the model context is {self.context_length}",
                     kind=OVER_CONTEXT,
+                )
+            elif i in with_images:  # alone: the pixels of a batch do not pad
+                room = self.context_length - len(ids) if self.context_length else max_tokens
+                results[i] = self._generate_images(
+                    with_images[i], seed, min(max_tokens, room), keep_special[i]
                 )
             elif self.context_length and len(ids) + max_tokens > self.context_length:
                 max_new = self.context_length - len(ids)
@@ -209,6 +235,43 @@ class TransformersEngine:
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             attention[row, width - len(ids) :] = 1
         device = self.model.device
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention.to(device),
+            **self._generate_kwargs(width, max_new),
+        )
+        new_tokens = out[:, width:].tolist()
+        return [
+            self._completion(tokens, p, max_new, keep)
+            for tokens, p, keep in zip(new_tokens, prompts, keep_special, strict=True)
+        ]
+
+    def _image_inputs(self, text: str, conversation: Sequence[Message]) -> Any:
+        """The processor's inputs for one rendered conversation: the image placeholders
+        expanded, the pixels of its images in order."""
+        assert self.images is not None and self.processor is not None
+        images = [pil_image(self.images.get(sha)) for sha in message_images(conversation)]
+        return self.processor(text=[text], images=images, return_tensors="pt")
+
+    @torch.inference_mode()
+    def _generate_images(
+        self, inputs: Mapping[str, torch.Tensor], seed: int, max_new: int, keep_special: bool
+    ) -> Completion:
+        device, dtype = self.model.device, self.model.dtype
+        # Pixels in the model's dtype: some vision towers (K2.5's) do not cast them.
+        batch = {
+            k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
+            for k, v in inputs.items()
+            if isinstance(v, torch.Tensor)
+        }
+        prompt = batch["input_ids"][0].tolist()
+        torch.manual_seed(seed)
+        out = self.model.generate(**batch, **self._generate_kwargs(len(prompt), max_new))
+        return self._completion(out[0, len(prompt) :].tolist(), prompt, max_new, keep_special)
+
+    def _generate_kwargs(self, width: int, max_new: int) -> dict[str, Any]:
+        """generate()'s sampling and stopping arguments."""
         s = self.sampling
         kwargs: dict[str, Any] = {"do_sample": s["temperature"] > 0}
         if kwargs["do_sample"]:
@@ -226,20 +289,8 @@ class TransformersEngine:
                 self.label, width, max_new, self.eos_ids, self.progress_interval_s
             )
             kwargs["stopping_criteria"] = StoppingCriteriaList([progress])
-        torch.manual_seed(seed)
-        out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention.to(device),
-            max_new_tokens=max_new,
-            eos_token_id=self.eos_ids,
-            pad_token_id=self.pad_id,
-            **kwargs,
-        )
-        new_tokens = out[:, width:].tolist()
-        return [
-            self._completion(tokens, p, max_new, keep)
-            for tokens, p, keep in zip(new_tokens, prompts, keep_special, strict=True)
-        ]
+        kwargs.update(max_new_tokens=max_new, eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
+        return kwargs
 
     def _completion(
         self, tokens: list[int], prompt: list[int], max_new: int, keep_special: bool = False

@@ -7,17 +7,16 @@ pixels gives the states the shards must hold.
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import signal
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 import pytest
 import torch
 from PIL import Image
+from support.image_prompts import image_url, png, text, user
 from support.vlm_models import make_qwen2_vl_dir
 from support.workflow import Workflow, new_workflow, write_prompts
 
@@ -25,27 +24,6 @@ from eagle3data.shards import open_shard
 
 IMAGE_TOKEN = 386  # the tiny Qwen2-VL's <|image_pad|>
 MANIFEST = "results/hidden_states/A1/manifest.json"
-
-
-def png(color: tuple[int, int, int], size: tuple[int, int] = (56, 56)) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, color).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def image_url(data: bytes) -> dict[str, Any]:
-    return {
-        "type": "image_url",
-        "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()},
-    }
-
-
-def user(*parts: dict[str, Any]) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": list(parts)}]}
-
-
-def text(value: str) -> dict[str, str]:
-    return {"type": "text", "text": value}
 
 
 MORE = 6  # further image prompts: a run long enough to be killed in the middle

@@ -60,7 +60,7 @@ def image_workflow(base: Path, name: str) -> Workflow:
         generation={"batch_size": 1, "sampling": {"temperature": 0.0, "max_tokens": 6}},
         # post_norm: the base model's last_hidden_state, what the oracle's forward gives;
         # the target's own dtype (bf16), as it generated: the agreement check then holds
-        # (0.997 over 288 positions here, against 0.03 for the shifted control).
+        # (0.997 over 288 positions of a longer run, against 0.03 for the shifted control).
         hidden_states={"final_state": "post_norm", "aux_layers": [0, 1, 2]},
         validate={"agreement": {"enabled": True, "positions_per_shard": "all"}},
     )

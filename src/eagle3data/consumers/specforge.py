@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ..atomic import atomic_directory
+from ..errors import ConfigError
 from ..hidden_states.final_state import POST_NORM, final_state_of
 from ..loader import HiddenStateDataset
 
@@ -99,6 +100,13 @@ def export_specforge(
     """Write every conversation of ``shard_dir`` (validated shards) as SpecForge files,
     hidden states in ``dtype`` (a name of :data:`EXPORT_DTYPES`); ``model_path``, the
     target, is needed for shards that hold the pre-norm final state."""
+    manifest = json.loads((Path(shard_dir) / "manifest.json").read_text(encoding="utf-8"))
+    if manifest.get("num_image_tokens"):
+        raise ConfigError(
+            f"{dataset}: its samples hold images, and SpecForge does not train drafts of "
+            "image-text targets (its docs: VLM training is not supported); set "
+            "export.specforge: false and train from export.speculators"
+        )
     torch_dtype = EXPORT_DTYPES[dtype]
     data = HiddenStateDataset(
         shard_dir,
@@ -106,7 +114,6 @@ def export_specforge(
         model=model_path,
         trust_remote_code=trust_remote_code,
     )
-    manifest = json.loads((Path(shard_dir) / "manifest.json").read_text(encoding="utf-8"))
     samples = []
     tokens = 0
     with atomic_directory(Path(out_dir), Path(work_dir)) as tmp:

@@ -102,21 +102,31 @@ def load_final_norm(
     built on the meta device: no other weight is read), with the checkpoint's tensors, in
     ``dtype`` (float32 by default)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     from ..target import text_decoder_config
     from .checkpoint_tensors import read_tensor, weight_files
 
     config = text_decoder_config(model_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    norm = getattr(model.get_decoder(), "norm", None)
+        try:
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            decoder, under = model.get_decoder(), model
+        except ValueError:  # a text config only its image-text model builds (Qwen2-VL's)
+            decoder = AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+            model, under = decoder, None
+    norm = getattr(decoder, "norm", None)
     if not isinstance(norm, torch.nn.Module):
         raise ModelConfigError(
             f"{model_path}: {type(model).__name__} has no final norm at .norm of its decoder; "
             f"cannot tell what its final state is"
         )
-    prefix = next(name for name, module in model.named_modules() if module is norm)
+    # The decoder's names under a causal LM (``model.norm``), as the checkpoint's map to.
+    prefix = (
+        "model.norm"
+        if under is None
+        else next(name for name, module in under.named_modules() if module is norm)
+    )
     wanted = {f"{prefix}.{name}": name for name in norm.state_dict()}
     files = weight_files(Path(model_path), "to read its final norm from")
     mapping = decoder_key_mapping(read_model_config(model_path))

@@ -167,19 +167,23 @@ def test_a_wrapper_target_reads_its_text_decoders_norm(tmp_path: Path) -> None:
 
 def test_a_remote_code_target_needs_trust(tmp_path: Path) -> None:
     """Kimi's tokenizer is remote code: without trust_remote_code the draft check stops in one
-    line naming the key; with it, the draft's verifier config is the text decoder's."""
+    line naming the key; with it, the draft is shaped from the text decoder."""
     pytest.importorskip("speculators")
     model_dir = make_kimi_dir(tmp_path / "kimi", wrapper=True)
     vocab = {"d2t": torch.zeros(8, dtype=torch.long), "t2d": torch.zeros(10, dtype=torch.bool)}
     with pytest.raises(UserError) as caught:
         dc.build_draft(model_dir, vocab, AUX, num_layers=1, ttt_steps=1, seed=0)
     assert "model.trust_remote_code" in _one_line(caught.value)
-    # Trusted, its text decoder (DeepSeek-V3) is read; speculators has no draft layers for it.
-    with pytest.raises(DraftCheckError) as caught:
-        dc.build_draft(
-            model_dir, vocab, AUX, num_layers=1, ttt_steps=1, seed=0, trust_remote_code=True
-        )
-    assert "'deepseek_v3'" in _one_line(caught.value)
+    # Trusted, its text decoder (DeepSeek-V3) is read: speculators has no DeepSeek draft
+    # layers, so the draft has its trainer's default llama layers shaped from that decoder.
+    vocab["t2d"] = torch.zeros(163_840, dtype=torch.bool)  # the target's vocabulary
+    vocab["t2d"][:8] = True
+    draft = dc.build_draft(
+        model_dir, vocab, AUX, num_layers=1, ttt_steps=1, seed=0, trust_remote_code=True
+    )
+    layers = draft.config.transformer_layer_config
+    decoder = json.loads((model_dir / "config.json").read_text())["text_config"]
+    assert (layers.model_type, layers.hidden_size) == ("llama", decoder["hidden_size"])
 
 
 def test_a_small_check_runs_from_real_shards_within_its_bound(

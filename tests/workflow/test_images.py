@@ -193,3 +193,13 @@ def test_speculators_reads_the_export_and_specforge_is_refused(image_run: Workfl
     image_run.run("results/speculators")
     exported = image_run.path("results/speculators")
     assert any(exported.iterdir())
+
+
+def test_the_draft_check_trains_a_draft_for_an_image_text_target(image_run: Workflow) -> None:
+    """speculators has no draft layers of Qwen-VL's kind: the draft is built as its own
+    trainer builds one by default (llama layers shaped from the text decoder). A random
+    tiny target teaches nothing, so only that it trains and measures is checked here."""
+    image_run.run("results/draft_check/summary.json")
+    summary = json.loads(image_run.path("results/draft_check/summary.json").read_text())
+    assert summary["conversations"]["heldout"] > 0 and summary["conversations"]["train"] > 0
+    assert set(summary["aggregate"]) >= {"trained", "untrained", "shifted", "aux_shuffled"}

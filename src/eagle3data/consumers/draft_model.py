@@ -145,20 +145,21 @@ def build_draft(
     head, our draft vocabulary), ``num_layers`` decoder layers, sdpa attention, float32.
 
     Its layers copy the text decoder's config (a wrapper's ``text_config``, read as every
-    stage reads it: :func:`eagle3data.target.text_decoder_config`)."""
+    stage reads it: :func:`eagle3data.target.text_decoder_config`) where speculators has
+    draft layers of its kind (llama, qwen3); for any other target (Qwen-VL, DeepSeek-V3)
+    they are what speculators' own trainer builds by default, llama layers shaped from the
+    text decoder (``speculators.train.cli.create_transformer_layer_config``), all full
+    attention (the samples here are short)."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.model_definitions import model_classes
 
     from ..target import text_decoder_config
 
     verifier = text_decoder_config(model_dir, trust_remote_code=trust_remote_code)
-    if verifier.model_type not in model_classes:
-        raise DraftCheckError(
-            f"{model_dir}: speculators' Eagle3DraftModel has no draft layers for the target's "
-            f"{verifier.model_type!r} (only {sorted(model_classes)}); the draft check cannot "
-            f"build its draft from this target"
-        )
-    verifier.num_hidden_layers = num_layers
+    if verifier.model_type in model_classes:
+        verifier.num_hidden_layers = num_layers
+    else:
+        verifier = _llama_draft_layers(model_dir, num_layers, trust_remote_code)
     torch.manual_seed(seed)
     model = Eagle3DraftModel.from_training_args(
         verifier,
@@ -174,6 +175,27 @@ def build_draft(
         trust_remote_code=trust_remote_code,
     )
     return model.float()
+
+
+def _llama_draft_layers(model_dir: Path, num_layers: int, trust_remote_code: bool) -> Any:
+    """speculators' default EAGLE-3 draft layers (llama) for ``model_dir``'s text decoder."""
+    from speculators.train.cli import create_transformer_layer_config
+
+    try:
+        return create_transformer_layer_config(
+            str(model_dir),
+            num_layers,
+            "llama",
+            hidden_act=None,
+            sliding_window=2048,  # unused: every layer has full attention
+            full_attention_indices=list(range(num_layers)),
+            trust_remote_code=trust_remote_code,
+        )
+    except (AttributeError, ValueError) as exc:
+        raise DraftCheckError(
+            f"{model_dir}: speculators cannot shape llama draft layers from this target's "
+            f"text decoder ({exc}); the draft check cannot build its draft"
+        ) from None
 
 
 def train_draft(
@@ -219,6 +241,7 @@ def evaluate_draft(
 ) -> dict[str, float]:
     """:func:`summarize` of the draft's proposals over held-out rows, one conversation at a time."""
     model.eval()
+    # None when the draft vocabulary is the target's whole one (speculators keeps no map).
     d2t = model.d2t  # type: ignore[attr-defined]
     totals: dict[str, float] = {}
     for row in rows:
@@ -231,6 +254,6 @@ def evaluate_draft(
             ttt_steps=ttt_steps,
         )
         ids = torch.stack([d[0] for d in draft])  # [K, N] draft ids
-        proposals = ids + d2t[ids]  # draft id i is target id i + d2t[i]
+        proposals = ids if d2t is None else ids + d2t[ids]  # draft id i: target i + d2t[i]
         _add(totals, chain_metrics(proposals, row["input_ids"], row["loss_mask"].bool()))
     return summarize(totals, ttt_steps)

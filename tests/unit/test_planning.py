@@ -231,3 +231,17 @@ def test_sample_ids_are_checked_against_the_responses() -> None:
     assert "not unique" in sample_id_errors(rows((0, "a", None), (0, "a", None)), ["a"], [])[0]
     swapped = rows((1, "b", None), (0, "a", None))
     assert "not in response order" in sample_id_errors(swapped, ["a", "b"], [])[0]
+
+
+def test_the_rows_digest_covers_images_and_leaves_text_rows_as_they_were() -> None:
+    """Another picture is other states, so it is another shard; a text row hashes as
+    before the ``images`` column existed (an upgrade redoes no shard)."""
+    from eagle3data.hidden_states.planning import rows_digest
+
+    base = {"id": ["a"], "num_tokens": [3], "input_ids": [[1, 9, 2]], "loss_mask": [[0, 0, 1]]}
+    text = pl.DataFrame(base)
+    assert rows_digest(text) == rows_digest(pl.DataFrame({**base, "images": [[]]}))
+    red, green = ("0" * 64,), ("1" * 64,)
+    with_red = rows_digest(pl.DataFrame({**base, "images": [list(red)]}))
+    assert with_red != rows_digest(text)
+    assert with_red != rows_digest(pl.DataFrame({**base, "images": [list(green)]}))

@@ -23,7 +23,7 @@ from ..errors import ValidationError
 from ..images import ImageTable, pil_image
 from ..model_config import read_model_config, weights_quantization
 from ..shards import ShardWriter
-from ..tokenization.table import read_row_images, read_row_range
+from ..tokenization.table import read_row_range
 from . import final_state, fingerprint
 from .backends import Extractor, build_extractor
 from .planning import shard_spec
@@ -206,7 +206,7 @@ def extract_shard(
             "%s shard %d: batch %d/%d (%d conversations)", dataset, shard, n, of, conversations
         )
 
-    sample_images = read_row_images(tokenized_path, spec["start"], spec["end"])
+    sample_images = df["images"].to_list() if "images" in df.columns else []
     # Streams: each batch's rows are written at their offsets as the batch finishes.
     try:
         images = _images_of(job, capture, sample_images)

@@ -33,12 +33,16 @@ log = logging.getLogger(__name__)
 
 
 def rows_digest(rows: pl.DataFrame) -> str:
-    """What a shard's extraction reads from its rows, as one hash (ids, tokens, masks)."""
+    """What a shard's extraction reads from its rows, as one hash (ids, tokens, masks, and
+    the images of rows that have any: another picture is other states)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update("\0".join(rows["id"].to_list()).encode())
     digest.update(rows["num_tokens"].cast(pl.Int64).to_numpy().tobytes())
     for column, dtype in (("input_ids", pl.Int64), ("loss_mask", pl.Int8)):
         digest.update(rows[column].explode().cast(dtype).to_numpy().tobytes())
+    images = rows["images"].to_list() if "images" in rows.columns else []
+    if any(images):  # text rows hash as they always did: no shard is redone for the column
+        digest.update(json.dumps(images).encode())
     return digest.hexdigest()
 
 

@@ -51,18 +51,17 @@ def write_tokenized(path: str | Path, rows: Mapping[str, Sequence[Any]]) -> pl.D
 
 
 def read_rows(path: str | Path, columns: Sequence[str] = SHARD_COLUMNS) -> pl.DataFrame:
-    return pl.read_parquet(path, columns=list(columns))
+    """The shard columns (and ``images``, in a table that has them)."""
+    return pl.read_parquet(path, columns=_with_images(path, columns))
 
 
-def read_row_images(path: str | Path, start: int, end: int) -> list[list[str]]:
-    """The ``images`` of rows [start, end) (empty lists from a table written before it)."""
-    lazy = pl.scan_parquet(path)
-    if "images" not in lazy.collect_schema().names():
-        return [[] for _ in range(end - start)]
-    return lazy.select("images").slice(start, end - start).collect()["images"].to_list()
+def _with_images(path: str | Path, columns: Sequence[str]) -> list[str]:
+    """``columns``, plus ``images`` where the table has it (not in one written before)."""
+    names = pl.read_parquet_schema(path)
+    return [*columns, "images"] if "images" in names and "images" not in columns else list(columns)
 
 
 def read_row_range(path: str | Path, start: int, end: int) -> pl.DataFrame:
     """Rows [start, end) of the shard columns, reading only the row groups they are in."""
-    lazy = pl.scan_parquet(path).select(SHARD_COLUMNS)
+    lazy = pl.scan_parquet(path).select(_with_images(path, SHARD_COLUMNS))
     return lazy.slice(start, end - start).collect()

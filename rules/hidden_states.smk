@@ -23,7 +23,8 @@ rule hidden_states:
         plan=ancient(layout.SHARD_PLAN),
         tokenized=ancient(layout.TOKENIZED),
         tokenize_stats=ancient(layout.TOKENIZE_STATS),
-        images=ancient(layout.PROMPT_IMAGES),
+        # Not the dataset's image table: its script finds it by path (it exists with the
+        # tokenized table), since a new input would redo every shard of an earlier run.
         model=model_config_file(),
     output:
         shard=layout.SHARD,

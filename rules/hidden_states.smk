@@ -23,8 +23,9 @@ rule hidden_states:
         plan=ancient(layout.SHARD_PLAN),
         tokenized=ancient(layout.TOKENIZED),
         tokenize_stats=ancient(layout.TOKENIZE_STATS),
-        # Not the dataset's image table: its script finds it by path (it exists with the
-        # tokenized table), since a new input would redo every shard of an earlier run.
+        # Not the dataset's image table: the job finds it in the workflow's layout (it
+        # exists with the tokenized table), since a new input would redo every shard of
+        # an earlier run.
         model=model_config_file(),
     output:
         shard=layout.SHARD,

@@ -18,7 +18,6 @@ if __name__ == "__main__":
     from eagle3data.hidden_states.phases import check_generation_stopped, local_generation_endpoints
     from eagle3data.hidden_states.settings import CaptureSettings, execution_settings
     from eagle3data.jobs import run_step
-    from eagle3data.layout import PROMPT_IMAGES, Results
 
     # What changes the states from params (the rerun trigger); how to run them (GPUs,
     # SGLang's engine options) from the config: neither of those changes the states.
@@ -46,8 +45,6 @@ if __name__ == "__main__":
             model_path=str(Path(snakemake.input.model).parent),
             # A provenance label: read from the config, not params (rerun triggers).
             model_label=model_name(snakemake.config["model"]),
-            # An input of tokenize's inputs, read by path: see the rule.
-            images_path=str(Results().path(PROMPT_IMAGES, dataset=snakemake.wildcards.dataset)),
         ),
         capture=capture,
         threads=snakemake.threads,

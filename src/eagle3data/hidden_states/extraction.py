@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ValidationError
 from ..images import ImageTable, pil_image
+from ..layout import PROMPT_IMAGES, Results
 from ..model_config import read_model_config, weights_quantization
 from ..shards import ShardWriter
 from ..tokenization.table import read_row_range
@@ -139,7 +140,9 @@ class ShardJob:
     out_shard: str
     model_path: str
     model_label: str  # provenance only (the shards' ``model`` attribute)
-    images_path: str | None = None  # the dataset's image table (prompts with images)
+    # The dataset's image table; None: where the workflow's layout has it (the job runs in
+    # the workflow's directory).
+    images_path: str | None = None
 
 
 def extract_shard(
@@ -253,7 +256,5 @@ def _images_of(
             f"{job.dataset} shard {job.shard}: samples with images are captured by "
             f"hidden_states.backend transformers only, not {capture.backend} (yet)"
         )
-    if job.images_path is None:
-        raise ValidationError(f"{job.dataset} shard {job.shard}: images, but no image table")
-    table = ImageTable(job.images_path)
+    table = ImageTable(job.images_path or Results().path(PROMPT_IMAGES, dataset=job.dataset))
     return lambda i: [pil_image(table.get(sha)) for sha in sample_images[i]]

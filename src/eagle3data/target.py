@@ -176,8 +176,8 @@ def load_image_text_model(
         )
     except ImportError as exc:  # e.g. a processor that needs torchvision
         raise ModelConfigError(
-            f"{model_path}: the target's processor does not load here ({exc}); "
-            "image prompts need it (install what it names)"
+            f"{model_path}: the target's processor does not load here ({exc}); an image-text "
+            "target runs with it (install what the error names)"
         ) from None
     if not hasattr(processor, "image_processor"):
         raise ModelConfigError(

@@ -54,7 +54,9 @@ def test_user_errors_keep_the_builtin_base_callers_expect(error) -> None:
 # Exceptions that never end a job: signals between the parts of one stage.
 INTERNAL = {
     "eagle3data.servers.http.TransientError",  # retried, then dispatched again
-    "eagle3data.prompts.shapes.Bad",  # becomes a PromptFormatError or a recorded skip
+    "eagle3data.prompts.problems.Bad",  # becomes a PromptFormatError or a recorded skip
+    "eagle3data.prompts.problems.UnreadableImage",  # a Bad that is always a recorded skip
+    "eagle3data.images.ImageError",  # raised at ingest, where it becomes a recorded skip
     "eagle3data.prompts.file_format.CorruptStream",  # becomes a PromptFormatError naming the file
     # caught by the engine: the endpoint falls back to text (issue 32, point 6)
     "eagle3data.servers.openai_chat.UnknownTokenIds",

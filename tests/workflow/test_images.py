@@ -203,3 +203,17 @@ def test_the_draft_check_trains_a_draft_for_an_image_text_target(image_run: Work
     summary = json.loads(image_run.path("results/draft_check/summary.json").read_text())
     assert summary["conversations"]["heldout"] > 0 and summary["conversations"]["train"] > 0
     assert set(summary["aggregate"]) >= {"trained", "untrained", "shifted", "aux_shuffled"}
+
+
+def test_text_prompts_run_on_an_image_text_target_in_process(image_base: Path) -> None:
+    """transformers builds Qwen2-VL's text decoder only inside the image-text model: the
+    in-process engine runs such a target whole for text prompts too."""
+    from eagle3data.generation.engines.transformers_engine import TransformersEngine
+
+    sampling = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
+    sampling |= {"repetition_penalty": 1.0, "stop": []}
+    engine = TransformersEngine(
+        str(image_base / "qwen2-vl-tiny"), sampling=sampling, trust_remote_code=True
+    )
+    (done,) = engine.complete([[{"role": "user", "content": "Hi there"}]], seed=0)
+    assert done.completion_tokens > 0 and IMAGE_TOKEN not in (done.prompt_ids or [])

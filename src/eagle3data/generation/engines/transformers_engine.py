@@ -21,7 +21,8 @@ Token ids: each completion carries the prompt ids it was generated from and the 
 generated, up to and including the token that ended it (the EOS, or the one that completed
 a stop string), as SGLang and vLLM return them.
 
-Images: with an image source, the whole image-text model and its processor are loaded
+Images: for an image-text target (:func:`...target.is_image_text_model`), or given an image
+source, the whole image-text model and its processor are loaded
 (:func:`...target.load_image_text_model`); a conversation with images is rendered by the
 chat template (one placeholder per image), expanded and given its pixels by the processor,
 and generated alone; its prompt ids are the expanded ones, as the servers return them.
@@ -45,7 +46,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from ...chat import THINK_CLOSE, THINK_OPEN, render, split_reasoning
 from ...images import ImageSource, has_images, message_images, pil_image
 from ...model_config import context_length
-from ...target import load_causal_lm, load_image_text_model
+from ...target import is_image_text_model, load_causal_lm, load_image_text_model
 from .protocol import OVER_CONTEXT, Completion, Message, Tools, TurnFailure
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,9 @@ class TransformersEngine:
         self.label = label  # names the dataset in progress lines
         self.images = images  # the dataset's image table; None: text prompts only
         self.processor: Any = None
-        if images is None:
+        # An image-text target runs whole, as capture runs it (some, Qwen-VL's, have a text
+        # decoder that transformers builds only inside the image-text model).
+        if images is None and not is_image_text_model(model_path):
             self.model, self.tokenizer = load_causal_lm(
                 model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code
             )

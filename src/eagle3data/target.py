@@ -126,18 +126,29 @@ def load_causal_lm(
     multi_gpu = gpus > 1 and resolve_device(device).type == "cuda"
     if multi_gpu:
         kwargs["device_map"] = "auto"
-    model, info = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    loaded = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    what = "wrapper text decoder" if wrapper else "model"
+    model = _placed(loaded, model_path, what, device=device, spread=multi_gpu)
+    return model, load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+
+
+def _placed(
+    loaded: tuple[Any, Any], model_path: str | Path, what: str, *, device: str, spread: bool
+) -> Any:
+    """A ``from_pretrained(..., output_loading_info=True)`` result checked for weights the
+    checkpoint lacks, on ``device`` (unless ``spread`` over GPUs already), in eval mode."""
+    from .torch_utils import resolve_device
+
+    model, info = loaded
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise ModelConfigError(
-            f"{model_path}: {len(missing)} weight(s) of the "
-            f"{'wrapper text decoder' if wrapper else 'model'} are not in the checkpoint "
+            f"{model_path}: {len(missing)} weight(s) of the {what} are not in the checkpoint "
             f"(e.g. {missing[:3]}); refusing to run with randomly initialised layers"
         )
-    if not multi_gpu:
+    if not spread:
         model.to(resolve_device(device))
-    model.eval()
-    return model, load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+    return model.eval()
 
 
 def is_image_text_model(model_path: str | Path) -> bool:
@@ -185,7 +196,7 @@ def load_image_text_model(
             "images: is it an image-text model?"
         )
     multi_gpu = gpus > 1 and resolve_device(device).type == "cuda"
-    model, info = AutoModelForImageTextToText.from_pretrained(
+    loaded = AutoModelForImageTextToText.from_pretrained(
         model_path,
         dtype=resolve_dtype(dtype, raw),
         local_files_only=True,
@@ -193,13 +204,5 @@ def load_image_text_model(
         output_loading_info=True,
         **({"device_map": "auto"} if multi_gpu else {}),
     )
-    missing = sorted(info.get("missing_keys") or [])
-    if missing:
-        raise ModelConfigError(
-            f"{model_path}: {len(missing)} weight(s) of the image-text model are not in the "
-            f"checkpoint (e.g. {missing[:3]}); refusing to run with randomly initialised layers"
-        )
-    if not multi_gpu:
-        model.to(resolve_device(device))
-    model.eval()
+    model = _placed(loaded, model_path, "image-text model", device=device, spread=multi_gpu)
     return model, processor

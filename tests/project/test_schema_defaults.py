@@ -90,3 +90,46 @@ def test_the_check_sees_a_repeated_default() -> None:
     assert {(name, value) for _, _, name, value in found} <= defaults
     computed = '@dataclass\nclass S:\n    concurrency: int = from_schema("generation", "x")\n'
     assert list(literal_defaults(computed)) == []
+
+
+def absent_final_state_defaults(source: str) -> Iterator[tuple[int, str]]:
+    """(line, code) of each place that says what an absent ``final_state`` means: a
+    ``.get("final_state", default)`` or a ``final_state`` parameter with a default."""
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and len(node.args) == 2
+            and isinstance(node.args[0], ast.Constant)
+            and node.args[0].value == "final_state"
+        ):
+            yield node.lineno, ast.unparse(node)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            args = node.args
+            positional = args.posonlyargs + args.args
+            with_defaults = positional[len(positional) - len(args.defaults) :]
+            pairs = list(zip(with_defaults, args.defaults, strict=True))
+            keywords = zip(args.kwonlyargs, args.kw_defaults, strict=True)
+            pairs += [(a, d) for a, d in keywords if d is not None]
+            for arg, default in pairs:
+                if arg.arg == "final_state":
+                    yield node.lineno, f"{node.name}(final_state={ast.unparse(default)})"
+
+
+def test_what_an_absent_final_state_means_is_said_in_one_place() -> None:
+    """Two meanings meet in ``final_state``: a new config's default (the schema's,
+    pre_norm) and what data written before the key holds (post_norm). Only
+    ``hidden_states/final_state.py`` may say the second (``OLDER_FINAL_STATE``); a default
+    anywhere else is one of the two written again, and drifts (issue 41: ``backends.py``
+    read a missing key as post_norm). Parameters default to the schema's (``PRE_NORM``)
+    or to None ("not set")."""
+    allowed = SRC / "eagle3data" / "hidden_states" / "final_state.py"
+    found = [
+        f"{path.relative_to(REPO)}:{line} {code}"
+        for path in sorted(SRC.rglob("*.py"))
+        if path != allowed
+        for line, code in absent_final_state_defaults(path.read_text())
+        if not code.endswith(("(final_state=PRE_NORM)", "(final_state=None)"))
+    ]
+    assert not found, "final_state defaults outside final_state.py: " + ", ".join(found)

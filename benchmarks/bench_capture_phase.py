@@ -14,8 +14,9 @@ three ways, round by round in one process, the order rotated every round:
 * ``one shard``: the default, ``shard_bytes`` large enough for one shard of the same tokens.
 
 With ``--backend vllm`` the target is loaded once by the capture server the user runs
-(``tests/support/vllm_server.py``'s, float32 on the CPU, started once here), so only the
-last two ways are timed: what many shards cost over one.
+(``tests/support/vllm_server.py``'s, float32 on the CPU, started once here); what is counted
+as a load there is a start of the server's client (torch's import, the server's checks, the
+probe request): per shard job with ``engine_lifetime: shard``, per run with the default.
 
 Loads are counted from outside the code that avoids them: the transformers backend's
 ``HiddenStateExtractor`` builds (``tests/support/instrument``), SGLang's engine starts (the
@@ -58,6 +59,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=96, help="generated tokens per response")
     p.add_argument("--shards", type=int, default=8, help="about this many shards per-shard")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--model",
+        choices=["demo", "tiny"],
+        default=None,
+        help="the target: SmolLM2 (demo; the default for transformers) or the engine suites' "
+        "tiny Llama (the default for sglang and vllm, whose shards then take a tenth of a "
+        "second each: a run measures the jobs' own cost more than the capture's)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     return p.parse_args()
 
@@ -96,14 +105,16 @@ def shard_bytes_for(wf: Workflow, shards: int) -> int:
 
 
 def loads(wf: Workflow, backend: str) -> int:
-    if backend == "vllm":
-        return 0  # the server's one load, before any run
     if backend == "transformers":
         path = wf.path("loads.jsonl")
         return len(path.read_text().splitlines()) if path.exists() else 0
-    # SGLang: an engine per "started capture engine" line, or per shard job loading its own.
-    logs = "".join(p.read_text() for p in wf.path("logs/hidden_states/A1").glob("*.log"))
+    # An engine per "started capture engine" line, or per shard job loading its own (for
+    # vllm: its own client of the server, which loaded the target once before any run).
+    shard_logs = list(wf.path("logs/hidden_states/A1").glob("*.log"))
+    logs = "".join(p.read_text() for p in shard_logs)
     started = logs.count("started capture engine")
+    if backend == "vllm":
+        return started or len(shard_logs)
     return started or logs.count("starting sglang capture engine")
 
 
@@ -131,14 +142,15 @@ def vllm_capture_server(model: Path, scratch: Path) -> Any:
     from eagle3data.hidden_states.layers import resolve_aux_layers
     from eagle3data.hidden_states.vllm_capture import vllm_layer_ids
 
-    aux = resolve_aux_layers("auto", 8, "layer_output")  # the tiny Llama's 8 layers
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    aux = resolve_aux_layers("auto", layers, "layer_output")
     return VLLMServer(
         model,
         capture=HiddenStateCapture(vllm_layer_ids(aux), scratch / "vllm-storage"),
         reasoning_parser=None,
         tool_call_parser=None,
         max_num_seqs=8,
-        extra_args=["--dtype", "float32"],
+        extra_args=["--dtype", "float32", "--max-model-len", "1024"],
         log_path=scratch / "vllm-server.log",
     )
 
@@ -149,7 +161,8 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, scratch, ignore_errors=True)
         # The demo model in-process; the tiny Llama of the engine suites for the engines.
-        demo, vllm = args.backend == "transformers", args.backend == "vllm"
+        vllm = args.backend == "vllm"
+        demo = (args.model or ("demo" if args.backend == "transformers" else "tiny")) == "demo"
         # vLLM's CPU attention wants heads of 32 or more (tests/support/vllm_server.py).
         model = demo_model_dir(scratch) if demo else tiny_llama(scratch, 32 if vllm else None)
         url = None
@@ -192,8 +205,6 @@ def run(args: argparse.Namespace, scratch: Path, model: Path, url: str | None) -
         "per-phase": ("phase", small),
         "one shard": ("phase", 2**40),
     }
-    if args.backend == "vllm":
-        del ways["per-shard"]
     results: dict[str, list[tuple[float, int, int]]] = {name: [] for name in ways}
     names = list(ways)
     for r in range(args.rounds):

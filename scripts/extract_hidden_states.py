@@ -14,9 +14,9 @@ if __name__ == "__main__":
     from eagle3data.config import model_name
     from eagle3data.gpu_slots import GpuRequest
     from eagle3data.hidden_states.capture_service import capture_with_engine, uses_engine_service
-    from eagle3data.hidden_states.extraction import ShardJob, extract_shard  # imports no torch
     from eagle3data.hidden_states.phases import check_generation_stopped, local_generation_endpoints
     from eagle3data.hidden_states.settings import CaptureSettings, execution_settings
+    from eagle3data.hidden_states.shard_job import ShardJob
     from eagle3data.jobs import run_step
 
     # What changes the states from params (the rerun trigger); how to run them (GPUs,
@@ -28,9 +28,15 @@ if __name__ == "__main__":
     # The target loads once per run (a capture engine serves every shard job: the
     # capture_service module), unless hidden_states.engine_lifetime is "shard".
     shared = uses_engine_service(capture)
+    if shared:
+        step = capture_with_engine  # the engine reads and writes: no polars or h5py here
+    else:
+        from eagle3data.hidden_states.extraction import extract_shard  # imports no torch
+
+        step = extract_shard
     run_step(
         snakemake.log[0],
-        capture_with_engine if shared else extract_shard,
+        step,
         gpus=None if shared else gpus,
         # Phase 2 only: not while a generation server on this machine holds the GPUs.
         checks=[lambda: check_generation_stopped(local_generation_endpoints(snakemake.config))],

@@ -312,9 +312,11 @@ def test_files_this_job_cannot_read_are_named(llama: Path, storage: Path, stand_
     assert "which this job cannot read" in message and "shared_storage_path" in message
 
 
-def test_a_killed_attempts_files_are_deleted_at_start(
+def test_a_killed_attempts_files_are_deleted_when_its_shard_begins(
     llama: Path, storage: Path, stand_in: Any
 ) -> None:
+    """A capture engine's client outlives its shards: the files of a killed attempt at a
+    shard are found by the shard's name, whatever client sent them."""
     prefix = request_prefix("A1-0")
     stale = storage / f"cmpl-{prefix}7-0-deadbeef.safetensors"
     write_like_the_connector(stale, torch.zeros(3, 4, 64), [1, 2, 3])
@@ -322,8 +324,10 @@ def test_a_killed_attempts_files_are_deleted_at_start(
     other = storage / f"cmpl-{request_prefix('A1-0-5')}7-0-deadbeef.safetensors"
     write_like_the_connector(other, torch.zeros(3, 4, 64), [1, 2, 3])
     url = stand_in(StandIn(storage, (4, 64), torch.float32))
-    capture = VLLMCapture(str(llama), dtype="float32", options={"url": url}, job="A1-0")
+    capture = VLLMCapture(str(llama), dtype="float32", options={"url": url}, job="engine-1a2b3c")
     try:
+        assert stale.exists()  # not this client's name: kept until its shard begins
+        capture.begin_shard("A1-0")
         assert sorted(p.name for p in storage.iterdir()) == [other.name]  # another job's kept
         states = capture.forward([[5, 6, 7], [8, 9]])
         assert [(a.shape, last.shape) for a, last in states] == [
@@ -368,6 +372,27 @@ def test_samples_longer_than_the_servers_context_are_refused_before_any_request(
         assert "1024 tokens does not fit" in message and "--max-model-len 1025" in message
         assert "hidden_states.max_seq_len to 1023" in message
         assert len(capture.forward([[1] * 1023])[0][0]) == 1023  # what fits is captured
+    finally:
+        capture.close()
+
+
+def test_every_answer_is_checked_not_only_the_probe(
+    llama: Path, storage: Path, tmp_path: Path, stand_in: Any
+) -> None:
+    """A capture engine keeps its client for the whole run: a server restarted in the
+    meantime with other layers, or another target's width, is refused at its first answer."""
+    server = StandIn(storage, (4, 64), torch.float32)
+    capture = VLLMCapture(str(llama), dtype="float32", options={"url": stand_in(server)})
+    try:
+        capture.begin_shard("A1-0")
+        assert len(capture.forward([[5, 6, 7]])) == 1
+        server.storage = tmp_path / "eagle3data-layers-3-4-6-8"
+        server.storage.mkdir()
+        with pytest.raises(VLLMCaptureError, match=r"states layers \[3, 4, 6, 8\]"):
+            capture.forward([[5, 6, 7]])
+        server.storage, server.shape = storage, (4, 128)
+        with pytest.raises(VLLMCaptureError, match="width 128, not the target's hidden size 64"):
+            capture.forward([[5, 6, 7]])
     finally:
         capture.close()
 

@@ -7,8 +7,9 @@ connector's CPU subclass (``tests/support/vllm_cpu_connector/``), in float32.
   transformers forward (cosine >= 0.9999 per token, aux layers and the pre-norm final
   state), the manifest's agreement as with the transformers backend, and no file left in
   the server's storage folder (the generate job deletes those of its own requests).
+* The shard jobs go through the run's capture engine (one client of the server per run).
 * ``kill -9`` of the run in the middle of a shard, then the same command: byte-identical
-  shards, and the killed attempt's files gone.
+  shards, the killed attempt's files gone, and no capture engine left.
 * ``final_state: post_norm``: the target's own final norm of the pre-norm state, the aux
   states unchanged.
 * Tensor parallel 2 (two CPU workers): the same states, one file per request (only rank 0
@@ -169,6 +170,28 @@ def check_against_the_target(model: torch.nn.Module, rnd: Round) -> None:
             )
 
 
+def capture_engines(wf: Workflow) -> list[int]:
+    """The capture engines working in ``wf``'s directory."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            cwd = (proc / "cwd").resolve()
+        except OSError:
+            continue  # not a process, or gone
+        if b"eagle3data.hidden_states.capture_service" in cmdline and cwd == wf.root.resolve():
+            found.append(int(proc.name))
+    return found
+
+
+def engines_after(wf: Workflow, timeout: float = 30) -> list[int]:
+    """The capture engines still there ``timeout`` s after the run ended, or none."""
+    deadline = time.monotonic() + timeout
+    while capture_engines(wf) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return capture_engines(wf)
+
+
 def run_until_a_batch_then_kill(wf: Workflow, args: list[str]) -> str:
     """Start ``args``, SIGKILL the whole run once its shard job has captured a batch and
     before it ends; the job log at the kill."""
@@ -219,6 +242,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         args = [MANIFEST, "--forcerun", "hidden_states"]
         rounds["killed_log"] = run_until_a_batch_then_kill(wf, args)
         rounds["after_kill"] = leftovers(server)
+        rounds["engines_after_kill"] = engines_after(wf)
         rounds["shard_after_kill"] = sorted(p.name for p in wf.path(RESULTS).glob("shard-*"))
         wf.run("--unlock")
         wf.run(*args, timeout=900)
@@ -277,6 +301,8 @@ def test_one_server_generates_and_captures(llama: dict[str, Any]) -> None:
     # The generate job deleted the files of its requests, the capture those of its own.
     assert tp1.leftovers == []
     assert "vllm capture server" in tp1.logs
+    # The shard jobs' client of the server is the run's capture engine.
+    assert tp1.logs.count("started capture engine") == 1, tp1.logs
 
 
 def test_kill_9_in_the_middle_of_a_shard_then_the_same_command_is_byte_identical(
@@ -293,6 +319,7 @@ def test_kill_9_in_the_middle_of_a_shard_then_the_same_command_is_byte_identical
     # resumed job deleted them.
     print(f"files left by the kill: {len(llama['after_kill'])}")
     assert resumed.leftovers == []
+    assert llama["engines_after_kill"] == [], "the capture engine outlived its killed run"
 
 
 def test_post_norm_is_the_targets_own_norm_of_the_pre_norm_state(llama: dict[str, Any]) -> None:

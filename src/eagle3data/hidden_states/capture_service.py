@@ -27,6 +27,9 @@ Lifetime, so that nothing outlives the run:
 * any other failure (a rank dies, a bad spec) is sent to the job as its one-line error,
   and the engine stops: the next shard job starts a fresh one.
 
+With the vllm backend the target is in the server the user runs; the engine is its client,
+kept for the run so that a shard job pays neither torch's import nor the server's checks.
+
 GPUs: the job that starts an engine takes the GPUs by lock (:mod:`..gpu_slots`) and
 hands the locks to the engine, which holds them until it stops; a later job uses an idle
 engine of the same settings without taking GPUs, or starts another engine group on free
@@ -61,7 +64,7 @@ from ..gpu_slots import GpuLease, GpuRequest, acquire_gpus
 from .settings import CaptureSettings
 
 if TYPE_CHECKING:
-    from .extraction import ShardJob
+    from .shard_job import ShardJob
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +72,10 @@ OWNER_ENV = "EAGLE3DATA_RUN_OWNER"
 # Where engines keep their state (not under the workflow's directory: engines of a run
 # are found by name, and a workflow copied or moved must not find another's).
 ROOT_ENV = "EAGLE3DATA_CAPTURE_ENGINE_DIR"
-# Backends that load the target themselves (vllm's server is the user's).
-LOADING_BACKENDS = ("transformers", "sglang")
+# Every backend: transformers and sglang load the target in the engine; with vllm the
+# server the user runs holds it, and the engine keeps the client (its torch import, its
+# checks of the server and the probe request) across the run's shard jobs.
+ENGINE_BACKENDS = ("transformers", "sglang", "vllm")
 # Each engine's own log (its load, its stop, what its backend says), one per engine.
 ENGINE_LOG_DIR = "logs/capture_engines"
 _POLL_S = 0.25
@@ -132,7 +137,7 @@ def run_owner() -> str | None:
 def uses_engine_service(capture: CaptureSettings) -> bool:
     """Whether shard jobs share one engine per phase (else each loads the target)."""
     return (
-        capture.backend in LOADING_BACKENDS
+        capture.backend in ENGINE_BACKENDS
         and capture.engine_lifetime == "phase"
         and run_owner() is not None
     )
@@ -303,6 +308,8 @@ def _claim_engine(spec: EngineSpec, gpus: GpuRequest) -> _Claim:
                         return claim
                     claim.release()  # a start that died before it began: not usable
             # On the CPU one engine takes the machine: wait for it rather than start two.
+            # So does a vllm engine (no GPUs of its own): one client keeps the server at
+            # the max_in_flight the user set, however many shard jobs run at once.
             if gpus.count > 0 or not engines:
                 env = dict(os.environ)
                 lease = _try_gpus(gpus, env)

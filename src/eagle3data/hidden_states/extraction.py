@@ -15,7 +15,6 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +28,7 @@ from . import final_state, fingerprint
 from .backends import Extractor, build_extractor
 from .planning import shard_spec
 from .settings import CaptureSettings
+from .shard_job import ShardJob
 
 if TYPE_CHECKING:
     import torch
@@ -127,24 +127,6 @@ def extract_into_shard(
             pending.popleft().result()
 
 
-@dataclass(frozen=True)
-class ShardJob:
-    """One hidden_states job: which shard of which dataset, read from which files (the
-    plan's spec, the tokenized rows and their stats), written where, by which target."""
-
-    dataset: str
-    shard: int
-    spec_path: str
-    tokenized_path: str
-    tokenize_stats_path: str
-    out_shard: str
-    model_path: str
-    model_label: str  # provenance only (the shards' ``model`` attribute)
-    # The dataset's image table; None: where the workflow's layout has it (the job runs in
-    # the workflow's directory).
-    images_path: str | None = None
-
-
 def extract_shard(
     job: ShardJob,
     capture: CaptureSettings,
@@ -174,6 +156,9 @@ def extract_shard(
     if extractor is None:
         set_threads(threads)
         extractor = build_extractor(job.model_path, capture, job=f"{dataset}-{shard}")
+    begin_shard = getattr(extractor, "begin_shard", None)
+    if begin_shard is not None:  # a server backend names its requests after the shard
+        begin_shard(f"{dataset}-{shard}")
     dtype = dtype_name(extractor.dtype)
     ids = df["id"].to_list()
     input_ids = df["input_ids"].to_list()

@@ -24,7 +24,8 @@ norm (:mod:`.final_state`) here.
 
 What cannot be seen from the client is checked on a probe request before any work: that
 the server extracts at all, that its files are readable here, the number of layers (four),
-the width and the dtype. The layer ids themselves are in no answer: :func:`serve_command`
+the width and the dtype; then on every answer (a run's capture engine keeps one client for
+all its shards, and the server may be restarted with other flags meanwhile). The layer ids themselves are in no answer: :func:`serve_command`
 writes them from the same config, and the validate job's agreement check would see a
 wrong final state.
 """
@@ -235,6 +236,8 @@ class VLLMCapture:
         except BaseException:
             self.close()
             raise
+
+    def _describe(self) -> None:
         log.info(
             "vllm capture server %s (model %s, max_model_len %s): layers %s (aux layer outputs "
             "%s, then the pre-norm final state), files in %s",
@@ -245,6 +248,15 @@ class VLLMCapture:
             list(self.aux.layer_ids),
             self.storage,
         )
+
+    def begin_shard(self, name: str) -> None:
+        """Name the next requests after the shard ``name`` (not after this client, which a
+        capture engine keeps for a whole run) and delete what a killed attempt at this
+        shard left in the storage: its requests still finished and were saved."""
+        self.prefix = request_prefix(name)
+        for stale in self.storage.glob(f"cmpl-{self.prefix}*.safetensors"):
+            discard_states(str(stale))
+        self._describe()  # in each shard's log, also when a capture engine runs it
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -324,6 +336,12 @@ class VLLMCapture:
     def _probe(self) -> Path:
         """Capture two tokens and check the answer; the server's storage folder."""
         path, tensors = self._loop.run_until_complete(self._capture(_PROBE_IDS, probe=True))
+        return self._checked(path, tensors)
+
+    def _checked(self, path: str, tensors: Mapping[str, torch.Tensor]) -> Path:
+        """The storage folder of an answer whose layers, width and dtype are this config's.
+        Every answer is checked, not only the probe's: a capture engine keeps its client for
+        the whole run, and the server may be restarted with other flags in the meantime."""
         storage = Path(path).parent
         stated = stated_layers(storage)
         if stated != self.layer_ids:
@@ -337,14 +355,11 @@ class VLLMCapture:
                 f"{self.url}: {said}; this config captures layers {self.layer_ids} "
                 f"(hidden_states.aux_layers, then the final state); {self._serve_hint()}"
             )
-        # Files of this job's killed attempt: its requests still finished and were saved.
-        for stale in storage.glob(f"cmpl-{self.prefix}*.safetensors"):
-            discard_states(str(stale))
         states = tensors["hidden_states"]
-        expected = (len(_PROBE_IDS), len(self.layer_ids), self.hidden_size)
-        if tuple(states.shape) != expected:
+        expected = (len(self.layer_ids), self.hidden_size)
+        if tuple(states.shape[1:]) != expected:
             got = tuple(states.shape)
-            if got[1:2] != expected[1:2]:
+            if got[1] != expected[0]:
                 problem = f"{got[1]} layers, not the {len(self.layer_ids)} ({self.layer_ids})"
             else:
                 problem = f"width {got[2]}, not the target's hidden size {self.hidden_size}"
@@ -436,7 +451,8 @@ class VLLMCapture:
 
         async def one(ids: Sequence[int]) -> torch.Tensor:
             async with limit:
-                _, tensors = await self._capture(ids)
+                path, tensors = await self._capture(ids)
+            self._checked(path, tensors)
             return tensors["hidden_states"]
 
         tasks = [asyncio.ensure_future(one(ids)) for ids in samples]

@@ -10,6 +10,7 @@ Importing this module imports no torch: the job takes its GPUs first.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections import deque
@@ -197,15 +198,18 @@ def extract_shard(
     sample_images = df["images"].to_list() if "images" in df.columns else []
     # Streams: each batch's rows are written at their offsets as the batch finishes.
     try:
-        images = _images_of(job, capture, sample_images)
-        with ShardWriter(
-            job.out_shard,
-            hidden_size=extractor.hidden_size,
-            hidden_dtype=dtype,
-            attrs=attrs,
-            compression=capture.compression,
-            storage_dtype=capture.storage_dtype,
-        ) as writer:
+        with (
+            contextlib.ExitStack() as open_tables,
+            ShardWriter(
+                job.out_shard,
+                hidden_size=extractor.hidden_size,
+                hidden_dtype=dtype,
+                attrs=attrs,
+                compression=capture.compression,
+                storage_dtype=capture.storage_dtype,
+            ) as writer,
+        ):
+            images = _images_of(job, capture, sample_images, open_tables)
             extract_into_shard(
                 extractor,
                 writer,
@@ -230,9 +234,13 @@ def extract_shard(
 
 
 def _images_of(
-    job: ShardJob, capture: CaptureSettings, sample_images: Sequence[Sequence[str]]
+    job: ShardJob,
+    capture: CaptureSettings,
+    sample_images: Sequence[Sequence[str]],
+    open_tables: contextlib.ExitStack,
 ) -> Callable[[int], list[Image]] | None:
-    """Sample ``i``'s images, read from the dataset's image table when asked; None for a
+    """Sample ``i``'s images, read from the dataset's image table (open until
+    ``open_tables`` closes: the shard's end) when asked; None for a
     shard of text samples."""
     if not any(sample_images):
         return None
@@ -241,5 +249,7 @@ def _images_of(
             f"{job.dataset} shard {job.shard}: samples with images are captured by "
             f"hidden_states.backend transformers only, not {capture.backend} (yet)"
         )
-    table = ImageTable(job.images_path or Results().path(PROMPT_IMAGES, dataset=job.dataset))
+    table = open_tables.enter_context(
+        ImageTable(job.images_path or Results().path(PROMPT_IMAGES, dataset=job.dataset))
+    )
     return lambda i: [pil_image(table.get(sha)) for sha in sample_images[i]]

@@ -23,11 +23,10 @@ pre-norm final state natively; ``final_state: post_norm`` applies the target's o
 norm (:mod:`.final_state`) here.
 
 What cannot be seen from the client is checked on a probe request before any work: that
-the server extracts at all, that its files are readable here, the number of layers (four),
-the width and the dtype; then on every answer (a run's capture engine keeps one client for
-all its shards, and the server may be restarted with other flags meanwhile). The layer ids themselves are in no answer: :func:`serve_command`
-writes them from the same config, and the validate job's agreement check would see a
-wrong final state.
+the server extracts at all, that its files are readable here, the layers its storage folder
+states (:func:`layers_folder`: vLLM says them nowhere else), their number and width, and the
+dtype; then the same on every answer (a run's capture engine keeps one client for all its
+shards, and the server may be restarted with other flags meanwhile).
 """
 
 from __future__ import annotations

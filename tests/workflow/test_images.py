@@ -98,6 +98,31 @@ def test_image_tokens_are_the_processors_and_never_supervised(image_run: Workflo
     )
 
 
+def test_the_validator_refuses_an_image_token_in_the_loss_mask(
+    image_run: Workflow, tmp_path: Path
+) -> None:
+    """The validate job's own check, shown failing: a shard whose mask covers one image
+    token of one sample is named with that sample; the shards as made pass."""
+    import shutil
+
+    import h5py
+    import numpy as np
+
+    from eagle3data.hidden_states.validation import supervised_image_token_errors
+
+    made = sorted(str(p) for p in image_run.path("results/hidden_states/A1").glob("shard-*.h5"))
+    assert supervised_image_token_errors(made, IMAGE_TOKEN) == []
+    broken = tmp_path / "shard.h5"
+    shutil.copy(made[0], broken)
+    with h5py.File(broken, "r+") as f:
+        first = int(np.flatnonzero(f["input_ids"][:] == IMAGE_TOKEN)[0])
+        f["loss_mask"][first] = 1
+    with open_shard(broken) as shard:
+        owner = shard.sample_ids[int(np.searchsorted(shard.sample_offsets, first, "right")) - 1]
+    errors = supervised_image_token_errors([str(broken)], IMAGE_TOKEN)
+    assert len(errors) == 1 and f"sample {owner}: 1 image token(s)" in errors[0], errors
+
+
 def test_states_after_an_image_see_it_and_equal_transformers(image_run: Workflow) -> None:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 

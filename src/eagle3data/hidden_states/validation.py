@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 
 from .. import model_config
@@ -392,6 +393,11 @@ def validate(
         )
     attrs: dict[str, Any] = {}
     captured: dict[str, Any] | None = None
+    image_token = (  # None: not an image-text target
+        None
+        if model_path is None
+        else model_config.image_token_id(model_config.read_model_config(model_path))
+    )
     if shard_paths and not errors:
         every_attrs = _shard_attrs(shard_paths)
         errors.extend(fingerprint.mixed_fingerprint_errors(every_attrs))
@@ -409,6 +415,8 @@ def validate(
                     attrs, wanted.aux_layers, wanted.aux_layer_convention, depth
                 )
             )
+        if image_token is not None:
+            errors.extend(supervised_image_token_errors(shard_paths, image_token))
         if model_path is not None and wanted.tokenize is not None and wanted.retokenize_samples:
             errors.extend(
                 response_sample_errors(
@@ -451,11 +459,6 @@ def validate(
         # None: the check was off (validate.agreement.enabled: false).
         "agreement": agreement_section,
     }
-    image_token = (
-        None
-        if model_path is None
-        else model_config.image_token_id(model_config.read_model_config(model_path))
-    )
     if image_token is not None:  # an image-text target: how many tokens are images' (no loss)
         manifest["num_image_tokens"] = _count_token(shard_paths, image_token)
     write_json(out_manifest, manifest)
@@ -484,6 +487,27 @@ def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "tolist"):
         return obj.tolist()
     return obj
+
+
+def supervised_image_token_errors(shard_paths: Sequence[str], image_token: int) -> list[str]:
+    """Samples whose loss mask covers an image token: images are the target's input, never
+    what it produced, so a draft must not be trained to predict them (checked here on its
+    own, not only through the re-tokenized sample, which covers a seeded few)."""
+    errors = []
+    for path in shard_paths:
+        with open_shard(path) as shard:
+            supervised = (shard.input_ids == image_token) & (shard.loss_mask != 0)
+            if not supervised.any():
+                continue
+            rows = np.flatnonzero(supervised)
+            samples = np.searchsorted(shard.sample_offsets, rows, side="right") - 1
+            for i in np.unique(samples)[:5]:
+                errors.append(
+                    f"{path}: sample {shard.sample_ids[i]}: {int((samples == i).sum())} image "
+                    f"token(s) (id {image_token}) in the loss mask; images are the target's "
+                    f"input, never supervised"
+                )
+    return errors
 
 
 def _count_token(shard_paths: Sequence[str], token: int) -> int:

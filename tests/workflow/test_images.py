@@ -190,6 +190,10 @@ def test_the_manifest_counts_image_tokens(image_run: Workflow) -> None:
     check = manifest["agreement"]
     assert check["positions"] == manifest["num_loss_tokens"]
     assert check["agreement"] >= 0.8 > check["control_agreement"]
+    # Which image processor made the pixels the states saw (the checkpoint's own, remote
+    # code here; PIL's and torchvision's resize differently).
+    engine = manifest["capture_fingerprint"]["engine"]
+    assert engine.startswith("transformers ") and "(image processor " in engine, engine
 
 
 def test_a_killed_image_run_resumes_to_the_same_bytes(

@@ -79,8 +79,13 @@ class HiddenStateExtractor:
         import transformers
 
         device = self.model.device.type
+        engine = f"transformers {transformers.__version__}"
+        if self.processor is not None:
+            # Its pixels are what the states after an image saw, and the PIL and torchvision
+            # processors of one checkpoint resize differently (Qwen2-VL: up to 0.27 apart).
+            engine += f" (image processor {type(self.processor.image_processor).__name__})"
         return {
-            "engine": f"transformers {transformers.__version__}",
+            "engine": engine,
             "layout": device if device == "cpu" else f"{device} x{self._gpus}",
             "aux_layers_confirmed_by": "forward hooks on those decoder layers",
         }

@@ -98,6 +98,19 @@ Requests (``POST /v1/chat/completions``, non-streaming; shapes in ``tests/data/v
   (``max_tokens`` above the context itself is a 400, ``param: "max_tokens"``); a malformed
   body: 400 ``type "Bad Request"``, ``param: "body.messages"`` [T].
 
+Images (``vision=True``; the tiny Qwen2-VL of ``vlm_models.make_qwen2_vl_dir``, float32;
+``tests/vllm/test_vllm_images.py``)
+* Without torchvision the server exits at start: vLLM's ``qwen2_vl`` module imports
+  ``smart_resize`` from transformers' ``image_processing_qwen2_vl``, which imports
+  ``torchvision.transforms.v2`` ("No module named 'torchvision'") [T]. With it (setup.sh's
+  ``vision`` folder and :data:`VISION_SHIM_DIR`): ready in ~30 s, like a text model.
+* vLLM loads ``Qwen2VLProcessor.from_pretrained`` itself, whatever ``processor_config.json``
+  names (code): the directory with a remote-code processor is served without
+  ``--trust-remote-code``.
+* ``image_url`` parts holding data URIs: ``prompt_token_ids`` are the target processor's
+  expansion of the conversation, one run of ``<|image_pad|>`` per image (4 for 56x56, 8 for
+  100x60), and ``usage.prompt_tokens`` counts them [T].
+
 Cancellation and batching
 * A non-streaming request whose client hung up is aborted at once, decoding or waiting
   (the server watches the connection for ``http.disconnect``: code) [T: every request our
@@ -153,6 +166,9 @@ KV_CACHE_BYTES = "64M"
 CPU_CONNECTOR_DIR = Path(__file__).resolve().parent / "vllm_cpu_connector"
 CPU_CONNECTOR_MODULE = "eagle3data_cpu_hidden_states"
 CPU_CONNECTOR_CLASS = "CPUHiddenStatesConnector"
+# Image-text targets (``vision=True``): torchvision, installed by setup.sh beside the venv
+# (:func:`vision_dir`), and the shim that lets it import beside the CPU torch (its docstring).
+VISION_SHIM_DIR = Path(__file__).resolve().parent / "vllm_vision"
 # vLLM's request ids as it logs them (and answers them, as the body's "id").
 _RECEIVED = re.compile(r"Received request (chatcmpl-[0-9a-f]+): params:")
 _ABORTED = re.compile(r"Request (chatcmpl-[0-9a-f]+) aborted\.")
@@ -187,6 +203,20 @@ def vllm_problem() -> str | None:
     version = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "?"
     if version != VLLM_VERSION:
         return f"vllm {version} at {python}; the suite is checked on {VLLM_VERSION} ({hint})"
+    return None
+
+
+def vision_dir() -> Path:
+    """Where ``tests/vllm/setup.sh`` installs torchvision for image-text targets: ``vision``
+    in the environment of :func:`vllm_python` (``.venv-vllm/vision``)."""
+    return Path(vllm_python()).parent.parent / "vision"
+
+
+def vision_problem() -> str | None:
+    """Why a ``vision=True`` server cannot start (no torchvision at :func:`vision_dir`), or
+    None."""
+    if not (vision_dir() / "torchvision" / "__init__.py").is_file():
+        return f"no torchvision at {vision_dir()} (run: {SETUP_COMMAND})"
     return None
 
 
@@ -276,7 +306,9 @@ class VLLMServer(WorkerServer):
     ``reasoning_parser`` / ``tool_call_parser``: ``--reasoning-parser`` and
     ``--enable-auto-tool-choice --tool-call-parser`` (None: off); ``max_num_seqs``: requests
     decoded together (the rest wait); ``capture``: a hidden-state capture server
-    (:class:`HiddenStateCapture`); ``extra_args``: more flags; ``extra_env``: more
+    (:class:`HiddenStateCapture`); ``vision``: torchvision importable in the server (for
+    image-text targets: :data:`VISION_SHIM_DIR` and :func:`vision_dir` on its
+    ``PYTHONPATH``); ``extra_args``: more flags; ``extra_env``: more
     environment. The server leads its own
     process group; leaving the block sends SIGTERM to the group, SIGKILL after
     ``stop_timeout`` seconds, and waits until no process of it is left.
@@ -300,6 +332,7 @@ class VLLMServer(WorkerServer):
         tool_call_parser: str | None = "hermes",
         max_num_seqs: int = 4,
         capture: HiddenStateCapture | None = None,
+        vision: bool = False,
         extra_env: Mapping[str, str] | None = None,
         **options: Unpack[ServerOptions],
     ) -> None:
@@ -312,6 +345,7 @@ class VLLMServer(WorkerServer):
         self.tool_call_parser = tool_call_parser
         self.max_num_seqs = max_num_seqs
         self.capture = capture
+        self.vision = vision
         self.extra_env = dict(extra_env or {})
 
     def command(self) -> list[str]:
@@ -347,8 +381,13 @@ class VLLMServer(WorkerServer):
         # decoded together, after 83 and 95 tokens), and a resumed run must equal an
         # uninterrupted one. With one thread the 8 agreed.
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(omp_cpu())
+        paths = []
+        if self.vision:  # the shim first: it must be the sitecustomize Python finds
+            paths += [str(VISION_SHIM_DIR), str(vision_dir())]
         if self.capture is not None:
-            env["PYTHONPATH"] = str(CPU_CONNECTOR_DIR)  # the connector's module
+            paths.append(str(CPU_CONNECTOR_DIR))  # the connector's module
+        if paths:
+            env["PYTHONPATH"] = os.pathsep.join(paths)
         env.update(self.extra_env)
         return env
 

@@ -1,23 +1,261 @@
-"""vLLM 0.32's CPU build cannot serve an image-text target here, and says why: its Qwen2-VL
-module imports transformers' torchvision image processor, and PyPI's torchvision does not
-load beside the CPU torch (docs/how-to/images.md, "What is verified"). When this test fails,
-vLLM serves images here: verify the expanded prompt ids and update that page."""
+"""Image prompts through real vLLM 0.32 (CPU build) on the tiny random Qwen2-VL
+(``support.vlm_models``): the README's pipeline with ``generation.backend: openai`` against
+a vLLM server, then the tokenize stage and the capture with the transformers backend (in
+``.venv``, which has no torchvision: the target's remote-code image-only processor).
+
+vLLM's Qwen2-VL module imports transformers' torchvision image processor, and PyPI's
+torchvision does not import beside the CPU torch. The server here is started with
+``vision=True``: the torchvision setup.sh installs beside the venv, and the shim that lets
+it import (``tests/support/vllm_vision/sitecustomize.py``). Without them vLLM stops at start
+with its own error (the first test; docs/how-to/images.md, "What is verified").
+
+The oracle is transformers itself, run here without our code: the target's processor
+expands the same conversation (each image to its tokens), and its forward with the pixels
+gives the states the shards must hold.
+"""
 
 from __future__ import annotations
 
+import io
+import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import polars as pl
 import pytest
-from support.vllm_server import VLLMServer, VLLMServerError
-from support.vlm_models import make_qwen2_vl_dir
+import torch
+from PIL import Image
+from support.image_prompts import image_url, png, text, user
+from support.vllm_server import VLLMServer, VLLMServerError, vision_problem
+from support.vlm_models import QWEN2_VL_IMAGE_TOKEN, make_qwen2_vl_dir, qwen2_vl_processor
+from support.workflow import Workflow, new_workflow, read_shard_states, write_prompts
+
+DATASET = "A1"
+MANIFEST = f"results/hidden_states/{DATASET}/manifest.json"
+# The images and their image tokens (make_qwen2_vl_dir: 14-pixel patches, 2x2 merged into one
+# token): 56x56 is 2x2 cells of 28 pixels, 4 tokens; 100x60 is resized to 112x56, 4x2 cells, 8.
+RED = png((200, 10, 10))
+GREEN = png((10, 200, 10), (100, 60))
+BLUE = png((10, 10, 200))
+YELLOW = png((200, 200, 10), (100, 60))
+TOKENS_PER_IMAGE = {RED: 4, GREEN: 8, BLUE: 4, YELLOW: 8}
+# Each answered prompt: its text (the key of its row), its parts in order (bytes: an image).
+PROMPTS: dict[str, list[bytes | str]] = {
+    "What colour is this?": [RED, "What colour is this?"],
+    "And this one?": ["And this one?", GREEN],  # sent as a path (data/green.png)
+    "Compare the two.": [BLUE, "Compare the two.", YELLOW],
+}
+PLAIN = "Plain text, no image."
+# As the server was first run with the shim: float32 (vLLM's portable CPU kernels; in bf16 a
+# capture server died of SIGILL on Intel VMs, tests/vllm/test_vllm_capture.py) and a 2048-token
+# context. Only vLLM's ids are used: the capture recomputes every state with transformers.
+SERVER_FLAGS = ["--dtype", "float32", "--max-model-len", "2048"]
 
 
-def test_vllm_cannot_serve_an_image_target_without_torchvision(tmp_path: Path) -> None:
-    model = make_qwen2_vl_dir(tmp_path / "qwen2-vl-tiny")
-    log = tmp_path / "server.log"
-    server = VLLMServer(model, reasoning_parser=None, tool_call_parser=None, log_path=log)
+def record(parts: list[bytes | str]) -> dict[str, Any]:
+    def part(p: bytes | str) -> dict[str, Any]:
+        if p is GREEN:
+            return {"type": "image_url", "image_url": {"url": "green.png"}}
+        return image_url(p) if isinstance(p, bytes) else text(p)
+
+    return user(*(part(p) for p in parts))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target (its processor as remote code, as the capture in .venv loads it) and the
+    prompts: one image, one by path, two images, a broken image, plain text."""
+    base = tmp_path_factory.mktemp("vllm-images")
+    make_qwen2_vl_dir(base / "qwen2-vl-tiny", remote_processor=True)
+    data = base / "data"
+    data.mkdir()
+    (data / "green.png").write_bytes(GREEN)
+    (data / "broken.png").write_bytes(png((1, 2, 3))[:40])  # a truncated file
+    records = [record(parts) for parts in PROMPTS.values()]
+    records.insert(
+        1, user(text("Describe it."), {"type": "image_url", "image_url": {"url": "broken.png"}})
+    )
+    records.append({"messages": [{"role": "user", "content": PLAIN}]})
+    write_prompts(data / f"{DATASET}.jsonl", records)
+    return base
+
+
+def test_vllm_cannot_serve_an_image_target_without_torchvision(base: Path) -> None:
+    """The server without ``vision``: vLLM's own start-up error."""
+    log = base / "no-vision-server.log"
+    server = VLLMServer(
+        base / "qwen2-vl-tiny", reasoning_parser=None, tool_call_parser=None, log_path=log
+    )
     with pytest.raises(VLLMServerError, match="exited with code"), server:
         pass
     text = log.read_text(errors="replace")
     assert "No module named 'torchvision'" in text
     assert "Qwen2VLForConditionalGeneration" in text
+
+
+@pytest.fixture(scope="module")
+def image_run(base: Path) -> Iterator[Workflow]:
+    """The pipeline up to the manifest, generation through vLLM (served with ``vision``)."""
+    if problem := vision_problem():
+        pytest.skip(problem)
+    model = base / "qwen2-vl-tiny"
+    with VLLMServer(
+        model,
+        vision=True,
+        reasoning_parser=None,
+        tool_call_parser=None,
+        extra_args=SERVER_FLAGS,
+        log_path=base / "server.log",
+    ) as server:
+        wf = new_workflow(
+            base,
+            model,
+            {DATASET: {"path": str(base / "data" / f"{DATASET}.jsonl"), "format": "messages"}},
+            model={"trust_remote_code": True},
+            generation={
+                "backend": "openai",
+                "endpoints": [server.url],
+                "served_model": server.model_name,
+                "sampling": {"temperature": 0.0, "max_tokens": 6},
+            },
+            hidden_states={"aux_layers": [0, 1, 2]},
+        )
+        wf.run(MANIFEST)
+    yield wf
+
+
+@pytest.fixture(scope="module")
+def rows(image_run: Workflow) -> dict[str, dict[str, Any]]:
+    """The response rows by their first user turn's text."""
+
+    def key(content: str | list[dict[str, Any]]) -> str:
+        if isinstance(content, str):
+            return content
+        return " ".join(p["text"] for p in content if p["type"] == "text")
+
+    return {key(r["messages"][0]["content"]): r for r in image_run.responses(DATASET)}
+
+
+@pytest.fixture(scope="module")
+def processor(base: Path) -> Any:
+    return qwen2_vl_processor(base / "qwen2-vl-tiny")
+
+
+def expected_prompt(processor: Any, parts: list[bytes | str]) -> dict[str, torch.Tensor]:
+    """The target's processor on the conversation: the template's render with one
+    placeholder per image, each expanded to the image's tokens, and the pixels."""
+    content = [
+        {"type": "image"} if isinstance(p, bytes) else {"type": "text", "text": p} for p in parts
+    ]
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    images = [Image.open(io.BytesIO(p)).convert("RGB") for p in parts if isinstance(p, bytes)]
+    return processor(text=[prompt], images=images, return_tensors="pt")
+
+
+def image_runs(ids: list[int], image_token: int) -> list[int]:
+    """The lengths of the runs of ``image_token`` in ``ids``, in order."""
+    runs: list[int] = []
+    for k, t in enumerate(ids):
+        if t == image_token:
+            if k and ids[k - 1] == image_token:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+    return runs
+
+
+def test_a_broken_image_is_one_recorded_skip(image_run: Workflow, rows: dict[str, Any]) -> None:
+    skipped = image_run.path(f"results/prompts/{DATASET}.skipped.jsonl").read_text().splitlines()
+    assert len(skipped) == 1 and "broken.png" in json.loads(skipped[0])["reason"]
+    assert json.loads(skipped[0])["line"] == 2
+    assert sorted(rows) == sorted([*PROMPTS, PLAIN])  # every other prompt answered
+
+
+def test_vllms_prompt_ids_are_the_processors_expansion(
+    rows: dict[str, dict[str, Any]], processor: Any
+) -> None:
+    """The prompt ids vLLM returned (``return_token_ids``) are the target's processor's:
+    each image expanded to as many image tokens as its size gives."""
+    image_token = processor.tokenizer.convert_tokens_to_ids(QWEN2_VL_IMAGE_TOKEN)
+    for question, parts in PROMPTS.items():
+        (turn,) = rows[question]["turns"]
+        ids = turn["token_ids"]
+        assert ids["prompt_shared"] == 0 and ids["completion"], question
+        expected = expected_prompt(processor, parts)["input_ids"][0].tolist()
+        assert ids["prompt"] == expected, question
+        sizes = [TOKENS_PER_IMAGE[p] for p in parts if isinstance(p, bytes)]
+        assert image_runs(ids["prompt"], image_token) == sizes, question
+        assert turn["prompt_tokens"] == len(expected)  # vLLM's usage counts them too
+    (plain,) = rows[PLAIN]["turns"]
+    rendered = processor.apply_chat_template(
+        [{"role": "user", "content": PLAIN}], tokenize=False, add_generation_prompt=True
+    )
+    assert plain["token_ids"]["prompt"] == processor.tokenizer(rendered)["input_ids"]
+
+
+def test_samples_hold_the_engine_ids_and_never_supervise_an_image(
+    image_run: Workflow, rows: dict[str, dict[str, Any]], processor: Any
+) -> None:
+    image_token = processor.tokenizer.convert_tokens_to_ids(QWEN2_VL_IMAGE_TOKEN)
+    frame = pl.read_parquet(image_run.path(f"results/tokenized/{DATASET}.parquet"))
+    samples = {r["id"]: r for r in frame.iter_rows(named=True)}
+    assert len(samples) == len(rows)
+    for question, row in rows.items():
+        (turn,) = row["turns"]
+        sample = samples[row["id"]]
+        prompt, completion = turn["token_ids"]["prompt"], turn["token_ids"]["completion"]
+        assert sample["input_ids"] == prompt + completion, question
+        assert sample["loss_mask"] == [0] * len(prompt) + [1] * len(completion), question
+        n_images = sum(isinstance(p, bytes) for p in PROMPTS.get(question, []))
+        assert len(sample["images"] or []) == n_images, question
+        assert all(
+            m == 0
+            for t, m in zip(sample["input_ids"], sample["loss_mask"], strict=True)
+            if t == image_token
+        )
+    # Our template's render agrees with vLLM's prompts, each image's run of tokens read as
+    # its one placeholder: where a turn differs, it is in the completion (the random model
+    # writes byte tokens that re-tokenize otherwise), never in the prompt.
+    stats = json.loads(image_run.path(f"results/tokenized/{DATASET}.stats.json").read_text())
+    assert stats["token_ids"]["turns_from_engine_ids"] == len(rows)
+    assert all(d["part"] == "completion" for d in stats["token_ids"]["differences"])
+    manifest = json.loads(image_run.path(MANIFEST).read_text())
+    assert manifest["num_image_tokens"] == sum(TOKENS_PER_IMAGE.values())
+
+
+def test_states_after_the_images_equal_transformers(
+    image_run: Workflow, rows: dict[str, dict[str, Any]], processor: Any
+) -> None:
+    """The shards' states on vLLM's ids equal transformers' forward of the same ids with
+    the same pixels (the target's image processor), every position after an image
+    included."""
+    from transformers import AutoModelForImageTextToText
+
+    image_token = processor.tokenizer.convert_tokens_to_ids(QWEN2_VL_IMAGE_TOKEN)
+    model_dir = Path(image_run.config["model"]["path"])
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    seen: list[torch.Tensor] = []  # the final norm's input: the pre-norm state stored
+    model.model.language_model.norm.register_forward_hook(lambda m, i, o: seen.append(i[0]))
+    stored = read_shard_states(image_run.path(f"results/hidden_states/{DATASET}")).states
+    for question in ("What colour is this?", "Compare the two."):
+        _aux, last, ids = stored[rows[question]["id"]]
+        (turn,) = rows[question]["turns"]
+        assert ids == turn["token_ids"]["prompt"] + turn["token_ids"]["completion"]
+        inputs = expected_prompt(processor, PROMPTS[question])
+        full = {
+            **inputs,
+            "input_ids": torch.tensor([ids]),
+            "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+            "mm_token_type_ids": (torch.tensor([ids]) == image_token).long(),
+        }
+        seen.clear()
+        with torch.no_grad():
+            model.model(**full)
+        expected = seen[0][0].float()
+        after = max(k for k, t in enumerate(ids) if t == image_token) + 1
+        assert after < len(ids)
+        torch.testing.assert_close(last[after:], expected[after:], rtol=1.6e-2, atol=1e-5)
+        torch.testing.assert_close(last, expected, rtol=1.6e-2, atol=1e-5)  # bf16's tolerance

@@ -72,10 +72,6 @@ OWNER_ENV = "EAGLE3DATA_RUN_OWNER"
 # Where engines keep their state (not under the workflow's directory: engines of a run
 # are found by name, and a workflow copied or moved must not find another's).
 ROOT_ENV = "EAGLE3DATA_CAPTURE_ENGINE_DIR"
-# Every backend: transformers and sglang load the target in the engine; with vllm the
-# server the user runs holds it, and the engine keeps the client (its torch import, its
-# checks of the server and the probe request) across the run's shard jobs.
-ENGINE_BACKENDS = ("transformers", "sglang", "vllm")
 # Each engine's own log (its load, its stop, what its backend says), one per engine.
 ENGINE_LOG_DIR = "logs/capture_engines"
 _POLL_S = 0.25
@@ -135,12 +131,10 @@ def run_owner() -> str | None:
 
 
 def uses_engine_service(capture: CaptureSettings) -> bool:
-    """Whether shard jobs share one engine per phase (else each loads the target)."""
-    return (
-        capture.backend in ENGINE_BACKENDS
-        and capture.engine_lifetime == "phase"
-        and run_owner() is not None
-    )
+    """Whether shard jobs share one engine per phase (else each loads the target, or with
+    vllm starts its own client of the server). Every backend can: transformers and sglang
+    load the target in the engine, and a vllm engine keeps its client for the run."""
+    return capture.engine_lifetime == "phase" and run_owner() is not None
 
 
 # --- where engines live --------------------------------------------------------------------

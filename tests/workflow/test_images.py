@@ -108,10 +108,10 @@ def test_the_validator_refuses_an_image_token_in_the_loss_mask(
     import h5py
     import numpy as np
 
-    from eagle3data.hidden_states.validation import supervised_image_token_errors
+    from eagle3data.hidden_states.validation import image_tokens
 
     made = sorted(str(p) for p in image_run.path("results/hidden_states/A1").glob("shard-*.h5"))
-    assert supervised_image_token_errors(made, IMAGE_TOKEN) == []
+    assert image_tokens(made, IMAGE_TOKEN).errors == []
     broken = tmp_path / "shard.h5"
     shutil.copy(made[0], broken)
     with h5py.File(broken, "r+") as f:
@@ -119,7 +119,7 @@ def test_the_validator_refuses_an_image_token_in_the_loss_mask(
         f["loss_mask"][first] = 1
     with open_shard(broken) as shard:
         owner = shard.sample_ids[int(np.searchsorted(shard.sample_offsets, first, "right")) - 1]
-    errors = supervised_image_token_errors([str(broken)], IMAGE_TOKEN)
+    errors = image_tokens([str(broken)], IMAGE_TOKEN).errors
     assert len(errors) == 1 and f"sample {owner}: 1 image token(s)" in errors[0], errors
 
 

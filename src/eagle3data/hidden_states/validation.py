@@ -398,6 +398,7 @@ def validate(
         if model_path is None
         else model_config.image_token_id(model_config.read_model_config(model_path))
     )
+    images = ImageTokens(0, [])  # a dataset can be empty (e.g. token_budget 0)
     if shard_paths and not errors:
         every_attrs = _shard_attrs(shard_paths)
         errors.extend(fingerprint.mixed_fingerprint_errors(every_attrs))
@@ -416,7 +417,8 @@ def validate(
                 )
             )
         if image_token is not None:
-            errors.extend(supervised_image_token_errors(shard_paths, image_token))
+            images = image_tokens(shard_paths, image_token)
+            errors.extend(images.errors)
         if model_path is not None and wanted.tokenize is not None and wanted.retokenize_samples:
             errors.extend(
                 response_sample_errors(
@@ -460,7 +462,7 @@ def validate(
         "agreement": agreement_section,
     }
     if image_token is not None:  # an image-text target: how many tokens are images' (no loss)
-        manifest["num_image_tokens"] = _count_token(shard_paths, image_token)
+        manifest["num_image_tokens"] = images.count
     write_json(out_manifest, manifest)
     log.info(
         "%s: %d shards, %d samples, %d tokens validated",
@@ -489,17 +491,25 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
-def supervised_image_token_errors(shard_paths: Sequence[str], image_token: int) -> list[str]:
-    """Samples whose loss mask covers an image token: images are the target's input, never
-    what it produced, so a draft must not be trained to predict them (checked here on its
-    own, not only through the re-tokenized sample, which covers a seeded few)."""
+@dataclass(frozen=True)
+class ImageTokens:
+    """A dataset's image tokens, read in one pass over its shards."""
+
+    count: int  # the manifest's num_image_tokens
+    # Samples whose loss mask covers an image token: images are the target's input, never
+    # what it produced, so a draft must not be trained to predict them (checked here on
+    # its own, not only through the re-tokenized sample, which covers a seeded few).
+    errors: list[str]
+
+
+def image_tokens(shard_paths: Sequence[str], image_token: int) -> ImageTokens:
+    count = 0
     errors = []
     for path in shard_paths:
         with open_shard(path) as shard:
-            supervised = (shard.input_ids == image_token) & (shard.loss_mask != 0)
-            if not supervised.any():
-                continue
-            rows = np.flatnonzero(supervised)
+            is_image = shard.input_ids == image_token
+            count += int(is_image.sum())
+            rows = np.flatnonzero(is_image & (shard.loss_mask != 0))
             samples = np.searchsorted(shard.sample_offsets, rows, side="right") - 1
             for i in np.unique(samples)[:5]:
                 errors.append(
@@ -507,12 +517,4 @@ def supervised_image_token_errors(shard_paths: Sequence[str], image_token: int) 
                     f"token(s) (id {image_token}) in the loss mask; images are the target's "
                     f"input, never supervised"
                 )
-    return errors
-
-
-def _count_token(shard_paths: Sequence[str], token: int) -> int:
-    count = 0
-    for path in shard_paths:
-        with open_shard(path) as shard:
-            count += int((shard.input_ids[:] == token).sum())
-    return count
+    return ImageTokens(count, errors)

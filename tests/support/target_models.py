@@ -755,8 +755,9 @@ def kimi_text_decoder(out: Path) -> DeepseekV3ForCausalLM:
     return model.eval()
 
 
-def make_qwen3_dir(out: Path, *, head_dim: int = 16, layers: int = 8) -> Path:
-    """A tiny random Qwen3 with the real Qwen3 thinking template (``enable_thinking``).
+def make_qwen3_dir(out: Path, *, head_dim: int = 16, layers: int = 8, context: int = 1024) -> Path:
+    """A tiny random Qwen3 with the real Qwen3 thinking template (``enable_thinking``),
+    ``context`` positions long.
 
     ``head_dim``: 16 by default; vLLM's CPU attention runs only 32 and up (its
     ``get_supported_head_sizes``), so ``tests/vllm/`` serves one with 32."""
@@ -775,7 +776,7 @@ def make_qwen3_dir(out: Path, *, head_dim: int = 16, layers: int = 8) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=head_dim,
-        max_position_embeddings=1024,
+        max_position_embeddings=context,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

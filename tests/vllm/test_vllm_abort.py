@@ -51,8 +51,10 @@ METRICS = (RUNNING, WAITING, GENERATED, FINISHED)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     base = tmp_path_factory.mktemp("vllm-abort")
-    # 24 layers: a 900-token answer takes seconds, not a fraction of one.
-    model = make_qwen3_dir(base / "tiny-qwen3", head_dim=HEAD_DIM, layers=24)
+    # 24 layers: a 900-token answer takes seconds, not a fraction of one, here. A 4096-token
+    # context, for an answer that a faster CPU cannot finish before the test closes it (CI's
+    # machine once decoded all 900 tokens before the close at 1 s).
+    model = make_qwen3_dir(base / "tiny-qwen3", head_dim=HEAD_DIM, layers=24, context=4096)
     with VLLMServer(model, log_path=base / "server.log", max_num_seqs=1) as running:
         yield running
 
@@ -135,12 +137,15 @@ def test_queue_gauges_and_a_token_counter_that_moves_while_decoding(server: VLLM
         Path(out, "metrics.txt").write_text(trimmed_metrics(text, METRICS), encoding="utf-8")
 
 
+LONGEST = 4000  # tokens: the model's context less the prompt
+
+
 def test_a_closed_connection_stops_the_decode_at_once(server: VLLMServer) -> None:
     before_text = server.metrics_text()
     before = parse_metrics(before_text)
-    closing = Closing(server, long_chat())
+    closing = Closing(server, long_chat(LONGEST))
     wait_for(lambda: server.metrics()[GENERATED] > before[GENERATED])
-    time.sleep(1.0)
+    time.sleep(0.5)
     closing.close()
     closed = time.monotonic()
     wait_for(lambda: server.metrics()[RUNNING] == 0, timeout=5)
@@ -150,12 +155,12 @@ def test_a_closed_connection_stops_the_decode_at_once(server: VLLMServer) -> Non
     time.sleep(2.0)
     after_text = server.metrics_text()
     assert parse_metrics(after_text)[GENERATED] - before[GENERATED] == spent  # nothing more
-    assert 0 < spent < 900
+    assert 0 < spent < LONGEST
     assert abort_series(after_text) == abort_series(before_text)  # not counted as finished
 
     # A waiting request whose client leaves decodes nothing.
     before = server.metrics()
-    running = Request(server, long_chat(300))
+    running = Request(server, long_chat(1000))
     wait_for(lambda: server.metrics()[RUNNING] == 1)
     closing = Closing(server, long_chat())
     wait_for(lambda: server.metrics()[WAITING] == 1)
@@ -164,4 +169,4 @@ def test_a_closed_connection_stops_the_decode_at_once(server: VLLMServer) -> Non
     running.join(120)
     time.sleep(0.5)
     assert running.status == 200
-    assert server.metrics()[GENERATED] - before[GENERATED] == 300
+    assert server.metrics()[GENERATED] - before[GENERATED] == 1000

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from transformers import (
         PreTrainedTokenizerFast,
         ProcessorMixin,
+        Qwen2_5_VLConfig,
         Qwen2VLConfig,
     )
 
@@ -177,10 +178,13 @@ def qwen2_vl_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def qwen2_vl_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2VLConfig:
+def qwen2_vl_config(
+    tokenizer: PreTrainedTokenizerFast, *, qwen2_5: bool = False
+) -> Qwen2VLConfig | Qwen2_5_VLConfig:
     """Tiny sizes with heads of 32 (vLLM's CPU attention runs 32 and up, see
     ``make_qwen3_dir``) in the decoder and the vision tower; mrope sections scaled from the
-    real [16, 24, 24] (half of head_dim 128) to [4, 6, 6] (half of 32)."""
+    real [16, 24, 24] (half of head_dim 128) to [4, 6, 6] (half of 32). ``qwen2_5``: the
+    Qwen2.5-VL config (the same decoder and tokens, its own vision tower)."""
     from transformers import Qwen2VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIAL_TOKENS}
@@ -211,6 +215,34 @@ def qwen2_vl_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2VLConfig:
         "spatial_merge_size": QWEN2_VL_MERGE_SIZE,
         "temporal_patch_size": 2,
     }
+    if qwen2_5:
+        from transformers import Qwen2_5_VLConfig
+
+        # Qwen2.5-VL's tower: windowed attention (one 28-pixel window here) except in the
+        # blocks fullatt_block_indexes names, an MLP of its own width, a merger to the
+        # decoder's width.
+        vision = {
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "patch_size": QWEN2_VL_PATCH_SIZE,
+            "spatial_merge_size": QWEN2_VL_MERGE_SIZE,
+            "temporal_patch_size": 2,
+            "window_size": 2 * QWEN2_VL_PATCH_SIZE * QWEN2_VL_MERGE_SIZE,
+            "fullatt_block_indexes": [1],
+        }
+        return Qwen2_5_VLConfig(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=ids[QWEN2_VL_IMAGE_TOKEN],
+            video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"],
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        )
     return Qwen2VLConfig(
         text_config=text,
         vision_config=vision,
@@ -242,12 +274,16 @@ class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
 '''
 
 
-def make_qwen2_vl_dir(out: Path, *, remote_processor: bool = False) -> Path:
+def make_qwen2_vl_dir(out: Path, *, remote_processor: bool = False, qwen2_5: bool = False) -> Path:
     """A complete tiny random Qwen2-VL-Instruct directory at ``out`` (created if missing).
 
     ``remote_processor``: the processor is remote code (``processing_qwen2_vl_images.py``,
     ``auto_map``) without the video part, so ``AutoProcessor`` loads it without torchvision
     (with ``trust_remote_code``), as the pipeline loads a target's processor.
+
+    ``qwen2_5``: Qwen2.5-VL-Instruct instead (``Qwen2_5_VLForConditionalGeneration``, a
+    2-block windowed vision tower, ``Qwen2_5_VLProcessor``): vLLM's Qwen2.5-VL declares
+    ``SupportsEagle3``, which its hidden-state extraction needs; its Qwen2-VL does not.
 
     Decoder: 4 layers, hidden 64, 2 heads of 32; vision tower: 1 block, width 64, 2 heads,
     14-pixel patches, 2x2 merge into the decoder's width. bf16 like the real checkpoint.
@@ -255,7 +291,7 @@ def make_qwen2_vl_dir(out: Path, *, remote_processor: bool = False) -> Path:
     bytes on every build. Takes well under a second.
     """
     import torch
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -263,7 +299,9 @@ def make_qwen2_vl_dir(out: Path, *, remote_processor: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = qwen2_vl_tokenizer()
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(qwen2_vl_config(tokenizer)).to(torch.bfloat16)
+    config = qwen2_vl_config(tokenizer, qwen2_5=qwen2_5)
+    model_class = Qwen2_5_VLForConditionalGeneration if qwen2_5 else Qwen2VLForConditionalGeneration
+    model = model_class(config).to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -278,7 +316,9 @@ def make_qwen2_vl_dir(out: Path, *, remote_processor: bool = False) -> Path:
     # What Qwen2VLProcessor.save_pretrained writes (it cannot be built without torchvision).
     # No video_preprocessor_config.json, like the hub repo: the video processor then reads
     # preprocessor_config.json.
-    processor_config: dict[str, Any] = {"processor_class": "Qwen2VLProcessor"}
+    processor_config: dict[str, Any] = {
+        "processor_class": "Qwen2_5_VLProcessor" if qwen2_5 else "Qwen2VLProcessor"
+    }
     if remote_processor:
         (out / "processing_qwen2_vl_images.py").write_text(_IMAGE_ONLY_PROCESSOR_CODE)
         processor_config = {

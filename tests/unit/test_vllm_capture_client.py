@@ -27,11 +27,14 @@ from support.target_models import make_llama_dir
 from eagle3data.errors import VLLMCaptureError
 from eagle3data.hidden_states.layers import resolve_aux_layers
 from eagle3data.hidden_states.vllm_capture import (
+    TOKENS_ROUTE_FLAG,
     VLLMCapture,
+    folded_image_runs,
     kv_transfer_config,
     layers_folder,
     main,
     request_prefix,
+    serve_command,
     speculative_config,
     stated_layers,
     vllm_layer_ids,
@@ -136,6 +139,25 @@ def test_the_serve_command_comes_from_the_config(tmp_path: Path, capsys: Any) ->
     assert folder == "/data/hs/eagle3data-layers-3-4-6-8"
     assert stated_layers(Path(folder)) == [3, 4, 6, 8]
     assert args[-3:] == ["-tp", "8", "--trust-remote-code"]
+
+
+def test_an_image_targets_serve_command_opens_the_token_route(tmp_path: Path) -> None:
+    from support.vlm_models import make_qwen2_vl_dir
+
+    model = make_qwen2_vl_dir(tmp_path / "qwen2.5-vl", qwen2_5=True)
+    aux = resolve_aux_layers([0, 1, 2], 4, "layer_output")
+    assert TOKENS_ROUTE_FLAG in serve_command(str(model), aux, "/hs", images=True)
+    assert TOKENS_ROUTE_FLAG not in serve_command(str(model), aux, "/hs")
+    once = serve_command(str(model), aux, "/hs", images=True, extra=[TOKENS_ROUTE_FLAG])
+    assert once.count(TOKENS_ROUTE_FLAG) == 1
+
+
+def test_image_tokens_fold_back_to_one_placeholder_per_image() -> None:
+    """The prompt vLLM expands again from the images: each run of image tokens as the one
+    placeholder the template wrote; other tokens as they were."""
+    assert folded_image_runs([1, 9, 9, 9, 2, 9, 9, 3, 9], 9) == [1, 9, 2, 9, 3, 9]
+    assert folded_image_runs([9, 9, 1], 9) == [9, 1]
+    assert folded_image_runs([1, 2], 9) == [1, 2]
 
 
 # --- the connector's files ------------------------------------------------------------------
@@ -320,13 +342,16 @@ def test_a_killed_attempts_files_are_deleted_when_its_shard_begins(
     prefix = request_prefix("A1-0")
     stale = storage / f"cmpl-{prefix}7-0-deadbeef.safetensors"
     write_like_the_connector(stale, torch.zeros(3, 4, 64), [1, 2, 3])
+    # An image sample's, from the token route: vLLM names those "generate-tokens-{id}".
+    stale_image = storage / f"generate-tokens-{prefix}8-deadbeef.safetensors"
+    write_like_the_connector(stale_image, torch.zeros(3, 4, 64), [1, 2, 3])
     # Dataset A1-0's shard 5: its ids once started with A1's shard 0's.
     other = storage / f"cmpl-{request_prefix('A1-0-5')}7-0-deadbeef.safetensors"
     write_like_the_connector(other, torch.zeros(3, 4, 64), [1, 2, 3])
     url = stand_in(StandIn(storage, (4, 64), torch.float32))
     capture = VLLMCapture(str(llama), dtype="float32", options={"url": url}, job="engine-1a2b3c")
     try:
-        assert stale.exists()  # not this client's name: kept until its shard begins
+        assert stale.exists() and stale_image.exists()  # kept until their shard begins
         capture.begin_shard("A1-0")
         assert sorted(p.name for p in storage.iterdir()) == [other.name]  # another job's kept
         states = capture.forward([[5, 6, 7], [8, 9]])
@@ -411,3 +436,34 @@ def test_a_server_whose_storage_states_other_layers_or_none_is_refused(
     assert said in message and "this config captures layers [2, 4, 5, 8]" in message
     assert "eagle3data-layers-2-4-5-8" in message  # the command to start it with
     assert list(storage.iterdir()) == []  # the probe's file deleted, nothing captured
+
+
+def test_image_samples_need_the_token_route_and_one_run_of_tokens_per_image(
+    tmp_path: Path, stand_in: Any
+) -> None:
+    """An image sample goes to vLLM's token route: a server without it (404 here, 403 from
+    vLLM without the flag) is named with the flag; images whose tokens touch are refused
+    before any request (their placeholders could not be told apart)."""
+    from PIL import Image
+    from support.vlm_models import make_qwen2_vl_dir
+
+    model = make_qwen2_vl_dir(tmp_path / "qwen2.5-vl", qwen2_5=True)  # 4 layers, width 64
+    image = json.loads((model / "config.json").read_text())["image_token_id"]
+    aux = [0, 1, 2]
+    storage = tmp_path / layers_folder(vllm_layer_ids(resolve_aux_layers(aux, 4, "layer_output")))
+    storage.mkdir()
+    url = stand_in(StandIn(storage, (4, 64), torch.float32))
+    capture = VLLMCapture(str(model), aux_layers=aux, dtype="float32", options={"url": url})
+    picture = Image.new("RGB", (56, 56))
+    try:
+        with pytest.raises(VLLMCaptureError) as caught:
+            capture.forward([[1, image, image, 2]], images=[[picture]])
+        assert "/inference/v1/generate" in str(caught.value) and "-> HTTP 404" in str(caught.value)
+        assert f"start it with {TOKENS_ROUTE_FLAG}" in str(caught.value)
+        with pytest.raises(VLLMCaptureError, match="2 images holds 1 runs of image tokens"):
+            capture.forward([[1, image, image, 2]], images=[[picture, picture]])
+        # A text sample of the same target still goes to /v1/completions.
+        ((aux, last),) = capture.forward([[1, 2, 3]], images=[[]])
+        assert aux.shape == (3, 192) and last.shape == (3, 64)
+    finally:
+        capture.close()

@@ -1,17 +1,21 @@
-"""Image prompts through real vLLM 0.32 (CPU build) on the tiny random Qwen2-VL
-(``support.vlm_models``): the README's pipeline with ``generation.backend: openai`` against
-a vLLM server, then the tokenize stage and the capture with the transformers backend (in
-``.venv``, which has no torchvision: the target's remote-code image-only processor).
+"""Image prompts through real vLLM 0.32 (CPU build) on the tiny random Qwen2.5-VL
+(``support.vlm_models``), one server for both stages: the README's pipeline with
+``generation.backend: openai`` and ``hidden_states.backend: vllm`` against a vLLM capture
+server started with ``--enable-scale-out`` (samples with images are captured through its
+token route, ``/inference/v1/generate``, which takes token ids and images together). The
+tokenize stage runs in ``.venv``, which has no torchvision: the target's processor is remote
+code there, image-only. Qwen2.5-VL, not Qwen2-VL: vLLM's hidden-state extraction needs a
+model that declares ``SupportsEagle3``, and its Qwen2-VL does not.
 
-vLLM's Qwen2-VL module imports transformers' torchvision image processor, and PyPI's
+vLLM's Qwen-VL modules import transformers' torchvision image processor, and PyPI's
 torchvision does not import beside the CPU torch. The server here is started with
 ``vision=True``: the torchvision setup.sh installs beside the venv, and the shim that lets
 it import (``tests/support/vllm_vision/sitecustomize.py``). Without them vLLM stops at start
 with its own error (the first test; docs/how-to/images.md, "What is verified").
 
 The oracle is transformers itself, run here without our code: the target's processor
-expands the same conversation (each image to its tokens), and its forward with the pixels
-gives the states the shards must hold.
+expands the same conversation (each image to its tokens), and its float32 forward with the
+pixels gives the states the shards must hold.
 """
 
 from __future__ import annotations
@@ -27,12 +31,18 @@ import pytest
 import torch
 from PIL import Image
 from support.image_prompts import image_url, png, text, user
-from support.vllm_server import VLLMServer, VLLMServerError, vision_problem
+from support.vllm_server import HiddenStateCapture, VLLMServer, VLLMServerError, vision_problem
 from support.vlm_models import QWEN2_VL_IMAGE_TOKEN, make_qwen2_vl_dir, qwen2_vl_processor
 from support.workflow import Workflow, new_workflow, read_shard_states, write_prompts
 
+from eagle3data.hidden_states.layers import resolve_aux_layers
+from eagle3data.hidden_states.vllm_capture import TOKENS_ROUTE_FLAG, vllm_layer_ids
+
 DATASET = "A1"
 MANIFEST = f"results/hidden_states/{DATASET}/manifest.json"
+RESULTS = f"results/hidden_states/{DATASET}"
+MODEL = "qwen2.5-vl-tiny"
+AUX_LAYERS = [0, 1, 2]  # of the model's 4: the last layer's output is the final state
 # The images and their image tokens (make_qwen2_vl_dir: 14-pixel patches, 2x2 merged into one
 # token): 56x56 is 2x2 cells of 28 pixels, 4 tokens; 100x60 is resized to 112x56, 4x2 cells, 8.
 RED = png((200, 10, 10))
@@ -47,10 +57,9 @@ PROMPTS: dict[str, list[bytes | str]] = {
     "Compare the two.": [BLUE, "Compare the two.", YELLOW],
 }
 PLAIN = "Plain text, no image."
-# As the server was first run with the shim: float32 (vLLM's portable CPU kernels; in bf16 a
-# capture server died of SIGILL on Intel VMs, tests/vllm/test_vllm_capture.py) and a 2048-token
-# context. Only vLLM's ids are used: the capture recomputes every state with transformers.
-SERVER_FLAGS = ["--dtype", "float32", "--max-model-len", "2048"]
+# float32 (vLLM's portable CPU kernels; in bf16 a capture server died of SIGILL on Intel VMs,
+# tests/vllm/test_vllm_capture.py) and a 2048-token context.
+SERVER_FLAGS = ["--dtype", "float32", "--max-model-len", "2048", TOKENS_ROUTE_FLAG]
 
 
 def record(parts: list[bytes | str]) -> dict[str, Any]:
@@ -67,7 +76,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The target (its processor as remote code, as the capture in .venv loads it) and the
     prompts: one image, one by path, two images, a broken image, plain text."""
     base = tmp_path_factory.mktemp("vllm-images")
-    make_qwen2_vl_dir(base / "qwen2-vl-tiny", remote_processor=True)
+    make_qwen2_vl_dir(base / MODEL, remote_processor=True, qwen2_5=True)
     data = base / "data"
     data.mkdir()
     (data / "green.png").write_bytes(GREEN)
@@ -84,25 +93,30 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_vllm_cannot_serve_an_image_target_without_torchvision(base: Path) -> None:
     """The server without ``vision``: vLLM's own start-up error."""
     log = base / "no-vision-server.log"
-    server = VLLMServer(
-        base / "qwen2-vl-tiny", reasoning_parser=None, tool_call_parser=None, log_path=log
-    )
+    server = VLLMServer(base / MODEL, reasoning_parser=None, tool_call_parser=None, log_path=log)
     with pytest.raises(VLLMServerError, match="exited with code"), server:
         pass
     text = log.read_text(errors="replace")
     assert "No module named 'torchvision'" in text
-    assert "Qwen2VLForConditionalGeneration" in text
+    assert "Qwen2_5_VLForConditionalGeneration" in text
 
 
 @pytest.fixture(scope="module")
 def image_run(base: Path) -> Iterator[Workflow]:
-    """The pipeline up to the manifest, generation through vLLM (served with ``vision``)."""
+    """The pipeline up to the manifest, generated and captured by one vLLM server (served
+    with ``vision``); then the capture forced again. The workflow's ``recaptured`` attribute
+    holds the shards' bytes of both captures; ``storage_left`` what the server's storage
+    folder held at the end."""
     if problem := vision_problem():
         pytest.skip(problem)
-    model = base / "qwen2-vl-tiny"
+    model = base / MODEL
+    capture = HiddenStateCapture(
+        vllm_layer_ids(resolve_aux_layers(AUX_LAYERS, 4, "layer_output")), base / "storage"
+    )
     with VLLMServer(
         model,
         vision=True,
+        capture=capture,
         reasoning_parser=None,
         tool_call_parser=None,
         extra_args=SERVER_FLAGS,
@@ -119,9 +133,19 @@ def image_run(base: Path) -> Iterator[Workflow]:
                 "served_model": server.model_name,
                 "sampling": {"temperature": 0.0, "max_tokens": 6},
             },
-            hidden_states={"aux_layers": [0, 1, 2]},
+            hidden_states={
+                "backend": "vllm",
+                "dtype": "float32",
+                "vllm": {"url": server.url},
+                "aux_layers": AUX_LAYERS,
+            },
         )
         wf.run(MANIFEST)
+        first = read_shard_states(wf.path(RESULTS)).shards
+        wf.run(MANIFEST, "--forcerun", "hidden_states")
+        again = read_shard_states(wf.path(RESULTS)).shards
+        wf.recaptured = (first, again)  # type: ignore[attr-defined]
+        wf.storage_left = sorted(p.name for p in capture.folder.glob("*"))  # type: ignore[attr-defined]
     yield wf
 
 
@@ -139,7 +163,7 @@ def rows(image_run: Workflow) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def processor(base: Path) -> Any:
-    return qwen2_vl_processor(base / "qwen2-vl-tiny")
+    return qwen2_vl_processor(base / MODEL)
 
 
 def expected_prompt(processor: Any, parts: list[bytes | str]) -> dict[str, torch.Tensor]:
@@ -229,19 +253,20 @@ def test_samples_hold_the_engine_ids_and_never_supervise_an_image(
 def test_states_after_the_images_equal_transformers(
     image_run: Workflow, rows: dict[str, dict[str, Any]], processor: Any
 ) -> None:
-    """The shards' states on vLLM's ids equal transformers' forward of the same ids with
-    the same pixels (the target's image processor), every position after an image
-    included."""
+    """The states vLLM captured on its own ids equal transformers' float32 forward of the
+    same ids with the same pixels (the target's image processor), aux layers and the
+    pre-norm final state, every position after an image included."""
     from transformers import AutoModelForImageTextToText
 
     image_token = processor.tokenizer.convert_tokens_to_ids(QWEN2_VL_IMAGE_TOKEN)
     model_dir = Path(image_run.config["model"]["path"])
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     seen: list[torch.Tensor] = []  # the final norm's input: the pre-norm state stored
     model.model.language_model.norm.register_forward_hook(lambda m, i, o: seen.append(i[0]))
-    stored = read_shard_states(image_run.path(f"results/hidden_states/{DATASET}")).states
+    read = read_shard_states(image_run.path(RESULTS))
+    assert read.layers == AUX_LAYERS
     for question in ("What colour is this?", "Compare the two."):
-        _aux, last, ids = stored[rows[question]["id"]]
+        aux, last, ids = read.states[rows[question]["id"]]
         (turn,) = rows[question]["turns"]
         assert ids == turn["token_ids"]["prompt"] + turn["token_ids"]["completion"]
         inputs = expected_prompt(processor, PROMPTS[question])
@@ -253,9 +278,21 @@ def test_states_after_the_images_equal_transformers(
         }
         seen.clear()
         with torch.no_grad():
-            model.model(**full)
-        expected = seen[0][0].float()
+            out = model.model(**full, output_hidden_states=True)
+        expected_last = seen[0][0]
+        expected_aux = torch.cat([out.hidden_states[k + 1][0] for k in AUX_LAYERS], -1)
         after = max(k for k, t in enumerate(ids) if t == image_token) + 1
         assert after < len(ids)
-        torch.testing.assert_close(last[after:], expected[after:], rtol=1.6e-2, atol=1e-5)
-        torch.testing.assert_close(last, expected, rtol=1.6e-2, atol=1e-5)  # bf16's tolerance
+        for got, want in ((last, expected_last), (aux, expected_aux)):
+            torch.testing.assert_close(got[after:], want[after:], rtol=1e-3, atol=1e-4)
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+
+
+def test_the_capture_is_repeatable_and_leaves_no_file(image_run: Workflow) -> None:
+    """The capture forced again writes the same bytes, and every file the server wrote (the
+    capture's, and the generation requests') was read and deleted."""
+    first, again = image_run.recaptured  # type: ignore[attr-defined]
+    assert first and first == again
+    assert image_run.storage_left == []  # type: ignore[attr-defined]
+    manifest = json.loads(image_run.path(MANIFEST).read_text())
+    assert manifest["capture_fingerprint"]["engine"].startswith("vllm 0.32")

@@ -47,6 +47,7 @@ HIDDEN, LAYERS = 7168, 61
 K25_CONFIG = {
     "architectures": ["KimiK25ForConditionalGeneration"],
     "model_type": "kimi_k25",
+    "media_placeholder_token_id": 163605,  # <|media_pad|>: an image-text target
     "text_config": {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "kimi_k2",

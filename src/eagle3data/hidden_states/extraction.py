@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 _MIN_FILL = 0.25
 _MAX_PADDING = 0.1
 
+# The backends that give a target its samples' images (docs/how-to/images.md): SGLang's CPU
+# engine cannot serve an image-text target, so nothing could check its capture of one.
+IMAGE_BACKENDS = ("transformers", "vllm")
+
 
 def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     """Group sample indices, longest first, so padded tokens per batch stay
@@ -244,10 +248,11 @@ def _images_of(
     shard of text samples."""
     if not any(sample_images):
         return None
-    if capture.backend != "transformers":
+    if capture.backend not in IMAGE_BACKENDS:
         raise ValidationError(
             f"{job.dataset} shard {job.shard}: samples with images are captured by "
-            f"hidden_states.backend transformers only, not {capture.backend} (yet)"
+            f"hidden_states.backend {' or '.join(IMAGE_BACKENDS)}, not {capture.backend} "
+            f"(docs/how-to/images.md, 'What is verified')"
         )
     table = open_tables.enter_context(
         ImageTable(job.images_path or Results().path(PROMPT_IMAGES, dataset=job.dataset))

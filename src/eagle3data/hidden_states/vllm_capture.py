@@ -22,6 +22,14 @@ The capture asks for the three aux layers' indices and that one, so the shards h
 pre-norm final state natively; ``final_state: post_norm`` applies the target's own final
 norm (:mod:`.final_state`) here.
 
+Samples with images go to vLLM's token-in-token-out route, ``POST /inference/v1/generate``
+(on a server started with ``--enable-scale-out``): the sample's ids with each image's run of
+image tokens folded back to the one placeholder the chat template wrote, and the images as
+``content_parts``. vLLM runs its own processor on them and expands each placeholder again, so
+the vision tower sees the pixels and every text position after an image sees the image; the
+file's ``token_ids`` must then equal the sample's ids, the expansion checked token by token.
+(``/v1/completions`` takes token ids or images, not both.)
+
 What cannot be seen from the client is checked on a probe request before any work: that
 the server extracts at all, that its files are readable here, the layers its storage folder
 states (:func:`layers_folder`: vLLM says them nowhere else), their number and width, and the
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import json
 import logging
 import os
@@ -47,6 +56,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from .. import model_config
 from ..errors import VLLMCaptureError
+from ..images import data_uri
 from ..schema import schema_defaults
 from ..servers.http import (
     RETRY_STATUS,
@@ -65,6 +75,7 @@ from .layers import AuxLayers, resolve_aux_layers
 
 if TYPE_CHECKING:
     import torch
+    from PIL.Image import Image
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +130,20 @@ def kv_transfer_config(storage: str, connector: Mapping[str, str] | None = None)
     return config
 
 
+# The route that takes token ids and images together (vLLM's scale-out routes, off unless the
+# server is started with the flag below).
+TOKENS_ROUTE = "/inference/v1/generate"
+TOKENS_ROUTE_FLAG = "--enable-scale-out"
+# What vLLM names each request's file after: "{prefix}-{request id}-{suffix}.safetensors".
+_FILE_PREFIXES = ("cmpl-", "generate-tokens-")
+
+
 def serve_command(
-    model: str, aux: AuxLayers, storage: str, *, extra: Sequence[str] = ()
+    model: str, aux: AuxLayers, storage: str, *, images: bool = False, extra: Sequence[str] = ()
 ) -> list[str]:
     """The ``vllm serve`` command of a capture server for ``aux``, writing into a folder
-    of ``storage`` named after the layers it captures (:func:`layers_folder`)."""
+    of ``storage`` named after the layers it captures (:func:`layers_folder`); ``images``:
+    the target takes images, whose samples go to :data:`TOKENS_ROUTE`."""
     layer_ids = vllm_layer_ids(aux)
     return [
         "vllm",
@@ -133,8 +153,23 @@ def serve_command(
         json.dumps(speculative_config(layer_ids)),
         "--kv-transfer-config",
         json.dumps(kv_transfer_config(str(Path(storage) / layers_folder(layer_ids)))),
+        *([TOKENS_ROUTE_FLAG] if images and TOKENS_ROUTE_FLAG not in extra else []),
         *extra,
     ]
+
+
+def folded_image_runs(ids: Sequence[int], image_token: int) -> list[int]:
+    """``ids`` with each run of ``image_token`` folded to one: the prompt as the chat template
+    wrote it, one placeholder per image, before the processor expanded each."""
+    return [t for k, t in enumerate(ids) if t != image_token or k == 0 or ids[k - 1] != t]
+
+
+def png_bytes(image: Image) -> bytes:
+    """The picture as PNG: lossless, so the server decodes the pixels the processor here
+    was given."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 # What a generation server of the target needs beyond the capture's flags, by the
@@ -213,6 +248,7 @@ class VLLMCapture:
             )
         self.aux: AuxLayers = target.aux
         self.hidden_size = target.hidden_size
+        self.image_token = model_config.image_token_id(model_config.read_model_config(model_path))
         self.dtype: torch.dtype = TORCH_DTYPES[target.dtype_name]
         self.final_state = final_state
         self.layer_ids = vllm_layer_ids(self.aux)
@@ -253,14 +289,20 @@ class VLLMCapture:
         capture engine keeps for a whole run) and delete what a killed attempt at this
         shard left in the storage: its requests still finished and were saved."""
         self.prefix = request_prefix(name)
-        for stale in self.storage.glob(f"cmpl-{self.prefix}*.safetensors"):
-            discard_states(str(stale))
+        for kind in _FILE_PREFIXES:
+            for stale in self.storage.glob(f"{kind}{self.prefix}*.safetensors"):
+                discard_states(str(stale))
         self._describe()  # in each shard's log, also when a capture engine runs it
 
     # -- set-up --------------------------------------------------------------------------
 
     def _serve_hint(self) -> str:
-        command = serve_command(self.model_path, self.aux, "/path/on/a/disk/the/job/reads")
+        command = serve_command(
+            self.model_path,
+            self.aux,
+            "/path/on/a/disk/the/job/reads",
+            images=self.image_token is not None,
+        )
         return "start it as: " + shlex.join(command)
 
     async def _start(self) -> tuple[str, int | None]:
@@ -377,17 +419,49 @@ class VLLMCapture:
 
     # -- capture -------------------------------------------------------------------------
 
-    async def _post(self, ids: Sequence[int], request_id: str) -> str:
-        """The path of the states of ``ids``, as the server answers it."""
-        assert self._session is not None
+    def _request(
+        self, ids: Sequence[int], request_id: str, images: Sequence[Image]
+    ) -> tuple[str, dict[str, Any]]:
+        """The URL and body that ask for the states of ``ids`` (with ``images``: on the
+        token route, the placeholders folded back for vLLM to expand)."""
+        if not images:
+            body = {
+                "model": self.model_name,
+                "prompt": list(ids),
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "request_id": request_id,
+            }
+            return f"{self.url}/completions", body
+        if self.image_token is None:
+            raise VLLMCaptureError(
+                f"a sample has images, but {self.model_path}'s config names no image token: "
+                f"is the target an image-text model?"
+            )
+        prompt = folded_image_runs(ids, self.image_token)
+        placeholders = prompt.count(self.image_token)
+        if placeholders != len(images):
+            raise VLLMCaptureError(
+                f"a sample of {len(images)} images holds {placeholders} runs of image tokens "
+                f"(id {self.image_token}): two images whose tokens touch cannot be told apart "
+                f"for vLLM to expand them again"
+            )
         body = {
             "model": self.model_name,
-            "prompt": list(ids),
-            "max_tokens": 1,
-            "temperature": 0.0,
+            "token_ids": prompt,
+            "content_parts": [
+                {"type": "image_url", "url": data_uri(png_bytes(image), "image/png")}
+                for image in images
+            ],
+            "sampling_params": {"max_tokens": 1, "temperature": 0.0},
             "request_id": request_id,
         }
-        url = f"{self.url}/completions"
+        return f"{self.url.removesuffix('/v1')}{TOKENS_ROUTE}", body
+
+    async def _post(self, ids: Sequence[int], request_id: str, images: Sequence[Image] = ()) -> str:
+        """The path of the states of ``ids``, as the server answers it."""
+        assert self._session is not None
+        url, body = self._request(ids, request_id, images)
         try:
             async with self._session.post(url, json=body) as resp:
                 text = await resp.text()
@@ -397,7 +471,15 @@ class VLLMCapture:
         if status in RETRY_STATUS:
             raise TransientError(f"POST {url} -> {_error_text(status, text)}")
         if status != 200:
-            raise VLLMCaptureError(f"POST {url} ({len(ids)} tokens) -> {_error_text(status, text)}")
+            hint = ""
+            if images and status in (403, 404):
+                hint = (
+                    f"; samples with images need the server's token route: start it with "
+                    f"{TOKENS_ROUTE_FLAG} ({self._serve_hint()})"
+                )
+            raise VLLMCaptureError(
+                f"POST {url} ({len(ids)} tokens) -> {_error_text(status, text)}{hint}"
+            )
         payload = json_or_none(text)
         if not isinstance(payload, dict):
             raise TransientError(f"POST {url}: HTTP 200 with a body that is not a JSON object")
@@ -411,7 +493,7 @@ class VLLMCapture:
         return str(path)
 
     async def _capture(
-        self, ids: Sequence[int], *, probe: bool = False
+        self, ids: Sequence[int], images: Sequence[Image] = (), *, probe: bool = False
     ) -> tuple[str, dict[str, torch.Tensor]]:
         self._count += 1
         request_id = f"{self.prefix}{'probe' if probe else self._count}"
@@ -424,7 +506,7 @@ class VLLMCapture:
         try:
             async for attempt in retrying:
                 with attempt:
-                    path = await self._post(ids, request_id)
+                    path = await self._post(ids, request_id, images)
         except TransientError as exc:
             raise VLLMCaptureError(f"{exc} (after {self.options['max_retries']} retries)") from None
         try:
@@ -439,22 +521,42 @@ class VLLMCapture:
             await asyncio.to_thread(discard_states, path)
         token_ids = tensors["token_ids"].tolist()
         if token_ids != list(ids):
+            first = next(
+                (k for k, (a, b) in enumerate(zip(token_ids, ids, strict=False)) if a != b),
+                min(len(token_ids), len(ids)),
+            )
+            how = (
+                "vLLM expanded the images' placeholders otherwise than the sample's processor"
+                if images
+                else "other tokens than asked for"
+            )
             raise VLLMCaptureError(
-                f"{path} holds the states of other tokens than the {len(ids)} asked for "
-                f"(first {token_ids[:8]} vs {list(ids)[:8]})"
+                f"{path} holds the states of {len(token_ids)} tokens for a sample of "
+                f"{len(ids)}: {how} (first difference at position {first}: "
+                f"{token_ids[first : first + 8]} vs {list(ids)[first : first + 8]})"
+            )
+        if tensors["hidden_states"].shape[0] != len(ids):
+            raise VLLMCaptureError(
+                f"{path} holds {tensors['hidden_states'].shape[0]} rows of states for "
+                f"{len(ids)} tokens"
             )
         return path, tensors
 
-    async def _capture_all(self, samples: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    async def _capture_all(
+        self, samples: Sequence[Sequence[int]], images: Sequence[Sequence[Image]]
+    ) -> list[torch.Tensor]:
         limit = asyncio.Semaphore(int(self.options["max_in_flight"]))
 
-        async def one(ids: Sequence[int]) -> torch.Tensor:
+        async def one(ids: Sequence[int], pictures: Sequence[Image]) -> torch.Tensor:
             async with limit:
-                path, tensors = await self._capture(ids)
+                path, tensors = await self._capture(ids, pictures)
             self._checked(path, tensors)
             return tensors["hidden_states"]
 
-        tasks = [asyncio.ensure_future(one(ids)) for ids in samples]
+        tasks = [
+            asyncio.ensure_future(one(ids, pictures))
+            for ids, pictures in zip(samples, images, strict=True)
+        ]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -478,9 +580,16 @@ class VLLMCapture:
                 f"hidden_states.max_seq_len to {context - 1} (the samples are cut at tokenize)"
             )
 
-    def forward(self, samples: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self,
+        samples: Sequence[Sequence[int]],
+        images: Sequence[Sequence[Image]] | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The states of each sample; ``images``: each sample's images, in order (the
+        samples hold their expanded image tokens)."""
         self._check_context(samples)
-        states = self._loop.run_until_complete(self._capture_all(samples))
+        pictures = images if images is not None else [()] * len(samples)
+        states = self._loop.run_until_complete(self._capture_all(samples, pictures))
         out = []
         for rows in states:
             tokens = rows.shape[0]
@@ -548,7 +657,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         elif not {"--reasoning-parser", "--tool-call-parser"} & set(extra):
             extra += flags
-    command = serve_command(args.model or model_path, aux, str(args.storage), extra=extra)
+    command = serve_command(
+        args.model or model_path,
+        aux,
+        str(args.storage),
+        images=model_config.image_token_id(config_json) is not None,
+        extra=extra,
+    )
     sys.stdout.write(shlex.join(command) + "\n")
     return 0
 

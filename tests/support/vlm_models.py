@@ -514,6 +514,35 @@ def make_kimi_vlm_dir(out: Path, *, k25_attention: bool = False) -> Path:
     return out
 
 
+def add_kimi_vllm_keys(out: Path) -> Path:
+    """Add to a :func:`make_kimi_vlm_dir` directory the keys vLLM 0.32's K2.5 code reads
+    and transformers' K2.5 classes do not write (checked against its ``kimi_k25.py`` and
+    ``kimi_k25_vision_fused.py``): in ``config.json``, ``use_unified_vision_chunk`` (images
+    as its ``vision_chunk`` modality; without it vLLM takes no image: "At most 0 image(s)")
+    and ``media_placeholder_token_id``; in ``preprocessor_config.json``, ``media_proc_cfg``,
+    the remote-code processor's settings, here the fixture's (14-pixel patches, 2x2 merge,
+    at most :data:`KIMI_MAX_PATCHES` patches, :data:`KIMI_MAX_PATCHES_PER_SIDE` a side)."""
+    config = json.loads((out / "config.json").read_text())
+    config["use_unified_vision_chunk"] = True
+    config["media_placeholder_token_id"] = config["image_token_id"]
+    _write_json(out / "config.json", config)
+    preprocessor = json.loads((out / "preprocessor_config.json").read_text())
+    preprocessor["media_proc_cfg"] = {
+        "patch_size": KIMI_PATCH_SIZE,
+        "merge_kernel_size": KIMI_MERGE_SIZE,
+        "in_patch_limit": KIMI_MAX_PATCHES,
+        "patch_limit_on_one_side": KIMI_MAX_PATCHES_PER_SIDE,
+        "fixed_output_tokens": None,
+        "temporal_merge_kernel_size": 4,
+        "image_mean": list(KIMI_IMAGE_MEAN),
+        "image_std": list(KIMI_IMAGE_STD),
+        "in_patch_limit_each_frame": None,
+        "in_patch_limit_video": None,
+    }
+    _write_json(out / "preprocessor_config.json", preprocessor)
+    return out
+
+
 def kimi_grid(height: int, width: int) -> tuple[int, int]:
     """The patch grid (rows, columns) Kimi_K25ImageProcessor gives an image that needs no
     resize: each side padded up to a multiple of patch * merge (28)."""

@@ -215,9 +215,11 @@ def qwen2_vl_config(
         "spatial_merge_size": QWEN2_VL_MERGE_SIZE,
         "temporal_patch_size": 2,
     }
+    config_class: type[Qwen2VLConfig | Qwen2_5_VLConfig] = Qwen2VLConfig
     if qwen2_5:
         from transformers import Qwen2_5_VLConfig
 
+        config_class = Qwen2_5_VLConfig
         # Qwen2.5-VL's tower: windowed attention (one 28-pixel window here) except in the
         # blocks fullatt_block_indexes names, an MLP of its own width, a merger to the
         # decoder's width.
@@ -233,17 +235,7 @@ def qwen2_vl_config(
             "window_size": 2 * QWEN2_VL_PATCH_SIZE * QWEN2_VL_MERGE_SIZE,
             "fullatt_block_indexes": [1],
         }
-        return Qwen2_5_VLConfig(
-            text_config=text,
-            vision_config=vision,
-            image_token_id=ids[QWEN2_VL_IMAGE_TOKEN],
-            video_token_id=ids["<|video_pad|>"],
-            vision_start_token_id=ids["<|vision_start|>"],
-            vision_end_token_id=ids["<|vision_end|>"],
-            tie_word_embeddings=False,
-            dtype="bfloat16",
-        )
-    return Qwen2VLConfig(
+    return config_class(
         text_config=text,
         vision_config=vision,
         image_token_id=ids[QWEN2_VL_IMAGE_TOKEN],

@@ -20,6 +20,12 @@ def test_each_run_of_image_tokens_reads_as_one() -> None:
     assert image_runs(ids, IMAGE) == 2
     assert image_runs(ids, None) == 0
     assert image_runs([IMAGE], IMAGE) == 1 and collapsed([], IMAGE) == []
+    # At either end, and without images (the vLLM capture sends these folded ids).
+    assert collapsed([1, IMAGE, IMAGE, IMAGE, 2, IMAGE, IMAGE, 3, IMAGE], IMAGE) == [
+        1, IMAGE, 2, IMAGE, 3, IMAGE,
+    ]  # fmt: skip
+    assert collapsed([IMAGE, IMAGE, 1], IMAGE) == [IMAGE, 1]
+    assert collapsed([1, 2], IMAGE) == [1, 2]
 
 
 @pytest.mark.parametrize(

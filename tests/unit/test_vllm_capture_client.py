@@ -29,7 +29,6 @@ from eagle3data.hidden_states.layers import resolve_aux_layers
 from eagle3data.hidden_states.vllm_capture import (
     TOKENS_ROUTE_FLAG,
     VLLMCapture,
-    folded_image_runs,
     kv_transfer_config,
     layers_folder,
     main,
@@ -150,14 +149,6 @@ def test_an_image_targets_serve_command_opens_the_token_route(tmp_path: Path) ->
     assert TOKENS_ROUTE_FLAG not in serve_command(str(model), aux, "/hs")
     once = serve_command(str(model), aux, "/hs", images=True, extra=[TOKENS_ROUTE_FLAG])
     assert once.count(TOKENS_ROUTE_FLAG) == 1
-
-
-def test_image_tokens_fold_back_to_one_placeholder_per_image() -> None:
-    """The prompt vLLM expands again from the images: each run of image tokens as the one
-    placeholder the template wrote; other tokens as they were."""
-    assert folded_image_runs([1, 9, 9, 9, 2, 9, 9, 3, 9], 9) == [1, 9, 2, 9, 3, 9]
-    assert folded_image_runs([9, 9, 1], 9) == [9, 1]
-    assert folded_image_runs([1, 2], 9) == [1, 2]
 
 
 # --- the connector's files ------------------------------------------------------------------

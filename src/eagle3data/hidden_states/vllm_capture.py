@@ -68,6 +68,7 @@ from ..servers.http import (
 )
 from ..servers.vllm_files import discard_states, read_states
 from ..target import check_remote_code
+from ..tokenization.samples import collapsed, image_runs
 from ..torch_utils import TORCH_DTYPES
 from .engine_target import read_engine_target
 from .final_state import POST_NORM, PRE_NORM, load_final_norm
@@ -158,12 +159,6 @@ def serve_command(
     ]
 
 
-def folded_image_runs(ids: Sequence[int], image_token: int) -> list[int]:
-    """``ids`` with each run of ``image_token`` folded to one: the prompt as the chat template
-    wrote it, one placeholder per image, before the processor expanded each."""
-    return [t for k, t in enumerate(ids) if t != image_token or k == 0 or ids[k - 1] != t]
-
-
 def png_bytes(image: Image) -> bytes:
     """The picture as PNG: lossless, so the server decodes the pixels the processor here
     was given."""
@@ -248,7 +243,7 @@ class VLLMCapture:
             )
         self.aux: AuxLayers = target.aux
         self.hidden_size = target.hidden_size
-        self.image_token = model_config.image_token_id(model_config.read_model_config(model_path))
+        self.image_token = model_config.image_token_id(target.config)
         self.dtype: torch.dtype = TORCH_DTYPES[target.dtype_name]
         self.final_state = final_state
         self.layer_ids = vllm_layer_ids(self.aux)
@@ -438,8 +433,10 @@ class VLLMCapture:
                 f"a sample has images, but {self.model_path}'s config names no image token: "
                 f"is the target an image-text model?"
             )
-        prompt = folded_image_runs(ids, self.image_token)
-        placeholders = prompt.count(self.image_token)
+        # Each run of image tokens folded to one: the prompt as the chat template wrote it,
+        # one placeholder per image, before the processor expanded each.
+        prompt = collapsed(ids, self.image_token)
+        placeholders = image_runs(ids, self.image_token)
         if placeholders != len(images):
             raise VLLMCaptureError(
                 f"a sample of {len(images)} images holds {placeholders} runs of image tokens "

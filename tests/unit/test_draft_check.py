@@ -11,11 +11,11 @@ from eagle3data.consumers.draft_check import (
     VariantResult,
     chain_metrics,
     margins,
-    prenorm_from_postnorm,
     shift_states,
     split_conversations,
     summarize,
 )
+from eagle3data.hidden_states.final_state import PlainRmsNorm
 
 
 def test_chain_metrics_counts_consecutive_accepted_steps() -> None:
@@ -95,19 +95,27 @@ def test_shift_states_moves_states_one_row_later() -> None:
     assert not shifted.aux_hidden_states[0].any() and not shifted.last_hidden_states[0].any()
 
 
-def test_prenorm_inversion_gives_back_the_post_norm_state() -> None:
+def test_prenorm_inversion_gives_back_the_pre_and_post_norm_states() -> None:
+    """The pre-norm state comes back at every scale of it, so the norm gives ``post`` back:
+    ``post / w`` alone is 1% off where mean(x^2) is 46 epsilons and 9 times under one."""
     torch.manual_seed(0)
-    h = 16
+    h, eps = 16, 1e-5
     weight = torch.rand(h) + 0.5
-    x = torch.randn(5, h) * 7
+    x = torch.randn(5, h)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()
+    x = x * torch.tensor([[1e2], [7.0], [1.0], [(46 * eps) ** 0.5], [1e-4]])
 
     def rms_norm(v: torch.Tensor) -> torch.Tensor:
-        return weight * v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return weight * v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
 
     post = rms_norm(x)
-    assert torch.allclose(rms_norm(prenorm_from_postnorm(post, weight)), post, atol=1e-4)
+    restored = PlainRmsNorm(weight, eps, "target").prenorm_of(post)
+    assert torch.allclose(rms_norm(restored), post, rtol=1e-5, atol=0)
+    # Where eps still shows in the norm, the scale is x's own.
+    assert torch.allclose(restored[3:], x[3:], rtol=1e-4, atol=0)
+    assert PlainRmsNorm(weight, 0.0, "target").prenorm_of(post).equal(post / weight)
     with pytest.raises(ValueError, match="zero weight"):
-        prenorm_from_postnorm(post, torch.zeros(h))
+        PlainRmsNorm(torch.zeros(h), eps, "target").prenorm_of(post)
 
 
 def test_margins_are_the_lead_of_the_means_and_of_the_worst_seed() -> None:

@@ -214,8 +214,8 @@ def test_the_check_builds_its_vocabulary_without_the_heldout_tokens(
     monkeypatch.setattr(dc, "train_draft", lambda *a, **k: [0.0])
     monkeypatch.setattr(dc, "evaluate_draft", fake_eval)
     # No speculators: the rows only need their tokens here.
-    monkeypatch.setattr(dc, "speculators_row", lambda sample, weight: dict(vars(sample)))
-    monkeypatch.setattr(dc, "verifier_norm_weight", lambda model_dir, **k: torch.ones(H))
+    monkeypatch.setattr(dc, "speculators_row", lambda sample, norm: dict(vars(sample)))
+    monkeypatch.setattr(dc, "verifier_norm", lambda model_dir, **k: None)
     everything = training_vocab(samples, size=16, target_vocab=64)
     summary = dc.run_draft_check(
         samples, tmp_path, everything, [0, 1, 2], DraftCheckSettings(seeds=(0,), epochs=1)

@@ -144,7 +144,7 @@ def test_a_gemma_norm_target_is_refused_in_one_line(tmp_path: Path, gemma_dir: P
 
 
 def test_the_plain_rms_target_reads_its_norm_weight(rms_dir: Path) -> None:
-    weight = dc.verifier_norm_weight(rms_dir)
+    weight = dc.verifier_norm(rms_dir).weight
     stored = load_file(rms_dir / "model.safetensors")["model.norm.weight"]
     assert torch.equal(weight, stored.float())
 
@@ -161,7 +161,7 @@ def test_a_wrapper_target_reads_its_text_decoders_norm(tmp_path: Path) -> None:
     )
     tensors["vision_tower.model.norm.weight"] = torch.full((16,), 7.0, dtype=decoder.dtype)
     save_file(tensors, path, metadata={"format": "pt"})
-    weight = dc.verifier_norm_weight(model_dir, trust_remote_code=True)
+    weight = dc.verifier_norm(model_dir, trust_remote_code=True).weight
     assert torch.equal(weight, tensors["language_model.model.norm.weight"].float())
 
 

@@ -45,7 +45,7 @@ from eagle3data.hidden_states.extraction import extract_into_shard
 from eagle3data.hidden_states.final_state import load_final_norm
 from eagle3data.hidden_states.transformers_capture import HiddenStateExtractor
 from eagle3data.loader import HiddenStateDataset
-from eagle3data.model_config import hidden_size, read_model_config
+from eagle3data.model_config import hidden_size, read_model_config, rms_norm_eps
 from eagle3data.shards import ShardWriter, open_shard
 from eagle3data.target import remote_code_files
 
@@ -343,7 +343,7 @@ def test_a_norm_that_is_not_plain_rms_is_refused_in_one_line(
     model_dir = _tiny_config_dir(tmp_path / kind, config)
     randomize_final_norm(model_dir)
     with pytest.raises(spec.SpeculatorsExportError) as caught:
-        spec.final_norm_weight(model_dir)
+        spec.restorable_final_norm(model_dir)
     message = str(caught.value)
     assert "\n" not in message and f"the final norm is {norm_class}," in message
 
@@ -351,20 +351,23 @@ def test_a_norm_that_is_not_plain_rms_is_refused_in_one_line(
 def test_plain_rms_norms_are_inverted_and_zero_weights_refused(tmp_path: Path) -> None:
     model_dir = _llama_dir(tmp_path / "llama")
     randomize_final_norm(model_dir)
-    weight = spec.final_norm_weight(model_dir)
+    norm = spec.restorable_final_norm(model_dir)
+    weight, eps = norm.weight, norm.eps
     stored = load_file(model_dir / "model.safetensors")["model.norm.weight"]
     assert torch.equal(weight, stored.float())
-    # RMSNorm is scale-invariant: the norm of post / w is post.
-    x = torch.randn(5, weight.numel())
-    post = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
-    pre = post / weight
-    again = pre * torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
-    assert torch.allclose(again, post, rtol=5e-6, atol=1e-6)
+    assert eps == rms_norm_eps(read_model_config(model_dir))
+    # The state the norm maps onto post, also where mean(x^2) is a few epsilons (the tiny
+    # models' first tokens; post / w alone was 1% off at 46 epsilons).
+    x = torch.randn(5, weight.numel()) * torch.tensor([[10.0], [1.0], [0.1], [7e-3], [1e-4]])
+    post = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    pre = norm.prenorm_of(post)
+    again = pre * torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + eps) * weight
+    assert torch.allclose(again, post, rtol=1e-5, atol=0)
     tensors = load_file(model_dir / "model.safetensors")
     tensors["model.norm.weight"][3] = 0
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(spec.SpeculatorsExportError, match="1 zero weight"):
-        spec.final_norm_weight(model_dir)
+        spec.restorable_final_norm(model_dir)
 
 
 def test_float16_export_is_refused(run: dict, tmp_path: Path) -> None:

@@ -46,8 +46,9 @@ inference feeding the draft its own tokens would accept.
 
 The final state: speculators computes its teacher as ``lm_head(verifier_norm(last))`` from the
 PRE-norm state, which shards extracted with ``final_state: pre_norm`` hold. From post-norm
-shards: RMSNorm is scale-invariant, so ``post / norm_weight`` (:func:`prenorm_from_postnorm`)
-is a pre-norm state the verifier norm maps back onto ``post`` exactly up to its epsilon.
+shards: ``post / norm_weight`` is the pre-norm state up to a scale per token, and the norm's
+epsilon says which (:meth:`~eagle3data.hidden_states.final_state.PlainRmsNorm.prenorm_of`),
+so the verifier norm maps it back onto ``post``.
 """
 
 from __future__ import annotations
@@ -64,10 +65,7 @@ from typing import Any
 import torch
 
 from ..errors import DraftCheckError
-from ..hidden_states.final_state import (
-    final_state_of,
-    prenorm_from_postnorm,
-)
+from ..hidden_states.final_state import final_state_of
 from .draft_data import (
     Sample,
     conversation_keys,
@@ -85,7 +83,7 @@ from .draft_model import (
     evaluate_draft,
     summarize,
     train_draft,
-    verifier_norm_weight,
+    verifier_norm,
 )
 
 log = logging.getLogger(__name__)
@@ -97,7 +95,6 @@ __all__ = [
     "conversation_keys",
     "criterion",
     "load_samples",
-    "prenorm_from_postnorm",
     "run_draft_check",
     "shift_states",
     "shuffle_aux_states",
@@ -140,20 +137,20 @@ def run_draft_check(
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
-    norm_weight = verifier_norm_weight(model_dir, trust_remote_code=trust_remote_code)
+    norm = verifier_norm(model_dir, trust_remote_code=trust_remote_code)
     keys = conversation_keys(samples)
     train_idx, held_idx = split_conversations(keys, settings.heldout_fraction, settings.split_seed)
     train_samples = [samples[i] for i in train_idx]
     vocab = training_vocab(train_samples, int(vocab["d2t"].numel()), int(vocab["t2d"].numel()))
-    train_rows = [speculators_row(s, norm_weight) for s in train_samples]
-    held_rows = [speculators_row(samples[i], norm_weight) for i in held_idx]
+    train_rows = [speculators_row(s, norm) for s in train_samples]
+    held_rows = [speculators_row(samples[i], norm) for i in held_idx]
 
     def control_rows(variant: str, seed: int) -> list[dict[str, torch.Tensor]]:
         if variant == "aux_shuffled":
             changed = shuffle_aux_states(train_samples, seed)
         else:
             changed = [shift_states(s) for s in train_samples]
-        return [speculators_row(s, norm_weight) for s in changed]
+        return [speculators_row(s, norm) for s in changed]
 
     results: list[VariantResult] = []
     for seed in settings.seeds:
@@ -425,7 +422,7 @@ def draft_check(
     require_speculators()
     plan = read_shard_plan(shard_dirs)
     check_memory(plan, memory_limit_gb)
-    verifier_norm_weight(model_dir, trust_remote_code=trust_remote_code)
+    verifier_norm(model_dir, trust_remote_code=trust_remote_code)
     torch.set_num_threads(max(1, num_threads))
     vocab = torch.load(draft_vocab, map_location="cpu", weights_only=True)
     samples = load_samples(shard_dirs)

@@ -15,10 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DraftCheckError
-from ..hidden_states.final_state import (
-    PRE_NORM,
-    prenorm_from_postnorm,
-)
+from ..hidden_states.final_state import PRE_NORM, PlainRmsNorm
 
 
 @dataclass
@@ -177,8 +174,9 @@ def training_vocab(
     return {"d2t": vocab.d2t, "t2d": vocab.t2d}
 
 
-def speculators_row(sample: Sample, norm_weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One conversation in speculators' batch layout, aligned by its own ``shift_batch``."""
+def speculators_row(sample: Sample, norm: PlainRmsNorm) -> dict[str, torch.Tensor]:
+    """One conversation in speculators' batch layout, aligned by its own ``shift_batch``
+    (a post-norm final state restored to the pre-norm one ``norm`` maps onto it)."""
     from speculators.models.eagle3.data import shift_batch
 
     n = int(sample.input_ids.shape[0])
@@ -188,7 +186,7 @@ def speculators_row(sample: Sample, norm_weight: torch.Tensor) -> dict[str, torc
             "hidden_states": sample.aux_hidden_states.float(),
             "verifier_last_hidden_states": sample.last_hidden_states.float()
             if sample.pre_norm
-            else prenorm_from_postnorm(sample.last_hidden_states.float(), norm_weight),
+            else norm.prenorm_of(sample.last_hidden_states),
             "loss_mask": sample.loss_mask.long(),
             "lengths": torch.tensor([n]),
             "position_ids": torch.arange(n),

@@ -14,7 +14,8 @@ import torch
 
 from ..errors import DraftCheckError, ModelConfigError
 from ..hidden_states.final_state import (
-    plain_rms_norm_weight,
+    PlainRmsNorm,
+    plain_rms_norm,
 )
 from ..schema import from_schema, schema_defaults
 from .draft_data import batches, pack
@@ -115,14 +116,13 @@ def _add(totals: dict[str, float], part: dict[str, float]) -> None:
         totals[key] = totals.get(key, 0.0) + value
 
 
-def verifier_norm_weight(model_dir: str | Path, *, trust_remote_code: bool = False) -> torch.Tensor:
-    """The target's final-norm weight, when its final norm is the plain RMSNorm that
-    speculators' teacher applies (``lm_head(verifier_norm(last))``); the one function the
-    speculators export uses too
-    (:func:`~eagle3data.hidden_states.final_state.plain_rms_norm_weight`). Else one line: for
+def verifier_norm(model_dir: str | Path, *, trust_remote_code: bool = False) -> PlainRmsNorm:
+    """The target's final norm, when it is the plain RMSNorm that speculators' teacher
+    applies (``lm_head(verifier_norm(last))``); the one function the speculators export
+    uses too (:func:`~eagle3data.hidden_states.final_state.plain_rms_norm`). Else one line: for
     any other norm (Gemma's ``1 + w``, LayerNorm) the teacher, and so every number, is wrong."""
     try:
-        return plain_rms_norm_weight(model_dir, trust_remote_code=trust_remote_code)
+        return plain_rms_norm(model_dir, trust_remote_code=trust_remote_code)
     except ModelConfigError as exc:
         raise DraftCheckError(
             f"{exc}; speculators' teacher applies that RMSNorm to the final state, so it is "

@@ -9,8 +9,8 @@ its own ``LlamaRMSNorm`` carrying the checkpoint's ``model.norm.weight``, so it 
 state the norm is applied to. Shards holding the pre-norm state (``final_state:
 pre_norm``, the default) give it as is. Older shards hold the norm's output: for an
 RMSNorm ``x * rsqrt(mean(x^2) + eps) * w`` with no zero weight, ``post / w`` is ``x`` up to
-a positive scale per token, and RMSNorm is scale-invariant: ``norm(post / w) == post``
-(within ~eps), which is what is exported from them. Either way speculators' teacher is
+a positive scale per token, and the epsilon says which scale: ``x`` itself is restored and
+exported from them (:meth:`.PlainRmsNorm.prenorm_of`). Either way speculators' teacher is
 right only when the target's final norm is that formula: that is checked numerically on
 the module of the target's own architecture carrying the checkpoint's weights, before any
 work; for any other norm (Gemma's ``(1 + w)``, LayerNorm's mean and bias) speculators'
@@ -43,9 +43,9 @@ from ..atomic import atomic_directory
 from ..errors import ModelConfigError, SpeculatorsExportError
 from ..hidden_states.final_state import (
     PRE_NORM,
+    PlainRmsNorm,
     final_state_of,
-    plain_rms_norm_weight,
-    prenorm_from_postnorm,
+    plain_rms_norm,
     refuse_zero_weights,
 )
 from ..loader import HiddenStateDataset
@@ -65,7 +65,7 @@ from .speculators_format import (
 __all__ = [
     "SpeculatorsExportError",
     "export_speculators",
-    "final_norm_weight",
+    "restorable_final_norm",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,13 +76,12 @@ _DEFAULT_TOTAL_SEQ_LEN = 8192
 # ------------------------------------------------------------------ the final norm
 
 
-def teacher_norm_weight(model_path: str | Path, *, trust_remote_code: bool = False) -> torch.Tensor:
-    """The target's final-norm weight (float32 [H]) when that norm is the plain RMSNorm
-    that speculators' teacher applies
-    (:func:`~eagle3data.hidden_states.final_state.plain_rms_norm_weight`); else a one-line
+def teacher_norm(model_path: str | Path, *, trust_remote_code: bool = False) -> PlainRmsNorm:
+    """The target's final norm when it is the plain RMSNorm that speculators' teacher
+    applies (:func:`~eagle3data.hidden_states.final_state.plain_rms_norm`); else a one-line
     refusal (its teacher would be wrong for this target whatever is exported)."""
     try:
-        return plain_rms_norm_weight(model_path, trust_remote_code=trust_remote_code)
+        return plain_rms_norm(model_path, trust_remote_code=trust_remote_code)
     except ModelConfigError as exc:
         raise SpeculatorsExportError(
             f"{exc}; speculators' teacher applies that RMSNorm with {SPECULATORS_NORM_KEY} "
@@ -91,17 +90,19 @@ def teacher_norm_weight(model_path: str | Path, *, trust_remote_code: bool = Fal
         ) from None
 
 
-def final_norm_weight(model_path: str | Path, *, trust_remote_code: bool = False) -> torch.Tensor:
-    """:func:`teacher_norm_weight`, refused also when a weight is zero: what the export
-    divides post-norm shards by (the pre-norm state is lost in a zero-weight channel)."""
-    weight = teacher_norm_weight(model_path, trust_remote_code=trust_remote_code)
+def restorable_final_norm(
+    model_path: str | Path, *, trust_remote_code: bool = False
+) -> PlainRmsNorm:
+    """:func:`teacher_norm`, refused also when a weight is zero: the norm the export
+    restores post-norm shards' pre-norm state with (it is lost in a zero-weight channel)."""
+    norm = teacher_norm(model_path, trust_remote_code=trust_remote_code)
     try:
-        refuse_zero_weights(weight, model_path)
+        refuse_zero_weights(norm.weight, model_path)
     except ModelConfigError as exc:
         raise SpeculatorsExportError(
             f"{exc}; speculators' teacher cannot be restored from the shards; not exported"
         ) from None
-    return weight
+    return norm
 
 
 # ------------------------------------------------------------------ writing
@@ -210,10 +211,10 @@ def export_speculators(
     attrs = _common_attrs(manifests, datasets)
     stored = final_state_of(attrs, shard_dirs[0] if shard_dirs else out_dir)
     if stored == PRE_NORM:
-        teacher_norm_weight(model_path, trust_remote_code=trust_remote_code)
-        weight = None  # exported as is
+        teacher_norm(model_path, trust_remote_code=trust_remote_code)
+        norm = None  # exported as is
     else:
-        weight = final_norm_weight(model_path, trust_remote_code=trust_remote_code)
+        norm = restorable_final_norm(model_path, trust_remote_code=trust_remote_code)
     h = config_hidden_size(read_model_config(model_path))
     if attrs and int(attrs["hidden_size"]) != h:
         raise SpeculatorsExportError(
@@ -236,8 +237,8 @@ def export_speculators(
             length = int(input_ids.numel())
             aux = item["aux_hidden_states"].reshape(length, 3, h)
             pre = item["last_hidden_states"]
-            if weight is not None:
-                pre = prenorm_from_postnorm(pre, weight)  # RMSNorm: post / w ∝ pre
+            if norm is not None:
+                pre = norm.prenorm_of(pre)
             states = torch.cat([aux.to(torch_dtype), pre.to(torch_dtype)[:, None]], dim=1)
             blob = save({"hidden_states": states.contiguous(), "token_ids": input_ids.clone()})
             _write_bytes(tmp / HIDDEN_STATES / f"hs_{i}.safetensors", blob)
@@ -282,9 +283,9 @@ def export_speculators(
             "input of layer k, output_hidden_states[k]); aux_layer_ids (layer_output) "
             f"{attrs.get('aux_layer_ids')}",
             "final_state": "pre_norm: the shards' pre-norm state"
-            if weight is None
-            else "pre_norm: the shards' post-norm state divided by the final norm's weight "
-            "(RMSNorm is scale-invariant)",
+            if norm is None
+            else "pre_norm: restored from the shards' post-norm state (divided by the final "
+            "norm's weight, each token's scale from the norm's epsilon)",
             "draft_vocab_size": n,
             "train_command": shlex.join(command),
             "cpu_note": "on CPU speculators' Trainer moves the model to the accelerator "

@@ -13,10 +13,11 @@ the target's own architecture builds, carrying the checkpoint's weights, so appl
 to a pre-norm state gives what the target computed, for any norm class (RMSNorm, Gemma's
 ``1 + w``, LayerNorm). The inverse does not exist in general (a plain RMSNorm loses each
 token's scale). One case needs no inverse: a trainer whose teacher applies the plain RMSNorm
-``x * rsqrt(mean(x^2) + eps) * w`` itself (vLLM speculators) takes ``post / w``
-(:func:`prenorm_from_postnorm`), which that scale-invariant norm maps back onto ``post``.
-:func:`plain_rms_norm_weight` checks numerically that the target's norm is that formula and
-gives ``w``; the speculators export and the draft check both go through it.
+``x * rsqrt(mean(x^2) + eps) * w`` itself (vLLM speculators) takes a state that norm maps
+back onto ``post`` (:meth:`PlainRmsNorm.prenorm_of`: ``post / w`` is ``x`` up to a scale,
+and the epsilon says which scale). :func:`plain_rms_norm` checks numerically that the
+target's norm is that formula and gives ``w`` and ``eps``; the speculators export and the
+draft check both go through it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ DESCRIPTIONS = {
 }
 # Rows of random input the plain-RMSNorm check feeds the target's final norm, per scale.
 _NORM_PROBE_ROWS = 8
+# The most a restored pre-norm state is scaled up by (m at 1 after rounding).
+_LARGEST_SCALE = 1e6
 
 
 # What everything written before ``final_state`` existed holds: shards, manifests and the
@@ -146,12 +149,38 @@ def load_final_norm(
     return FinalNorm(norm.to(dtype).eval(), str(model_path), dtype)
 
 
-def plain_rms_norm_weight(
-    model_path: str | Path, *, trust_remote_code: bool = False
-) -> torch.Tensor:
-    """The weight ``w`` (float32 [H]) of the target's final norm when that norm is the plain
-    RMSNorm ``x * rsqrt(mean(x^2) + eps) * w`` (what speculators' teacher applies); else a
-    one-line :class:`ModelConfigError` naming the norm's class.
+@dataclass(frozen=True)
+class PlainRmsNorm:
+    """A target's final norm, checked to be ``x * rsqrt(mean(x^2) + eps) * weight``."""
+
+    weight: torch.Tensor  # float32 [H]
+    eps: float
+    model_path: str
+
+    def prenorm_of(self, post: torch.Tensor) -> torch.Tensor:
+        """The pre-norm state ([..., H], float32) this norm maps onto ``post``.
+
+        ``post = w * x / sqrt(ms(x) + eps)``, so ``z = post / w`` is ``x`` scaled down by
+        ``sqrt(ms(x) + eps)`` and its mean square ``m`` is ``ms(x) / (ms(x) + eps)``: the
+        lost scale is ``sqrt(eps / (1 - m))``. Giving ``z`` alone (scale 1) is off by
+        ``1 / sqrt(m + eps)`` after the norm: 1% where ``ms(x)`` is 46 epsilons, 9 times
+        where it is under one. Where rounding of a stored ``post`` made ``m`` reach 1, no
+        exact pre-image exists and a large scale is the nearest. A zero weight loses the
+        channel and is refused."""
+        import torch
+
+        refuse_zero_weights(self.weight, self.model_path)
+        z = post.float() / self.weight.float()
+        if self.eps <= 0:  # scale-invariant: any positive scale is exact
+            return z
+        gap = (1.0 - z.pow(2).mean(-1, keepdim=True)).clamp(min=self.eps * _LARGEST_SCALE**-2)
+        return z * torch.sqrt(self.eps / gap)
+
+
+def plain_rms_norm(model_path: str | Path, *, trust_remote_code: bool = False) -> PlainRmsNorm:
+    """The target's final norm when it is the plain RMSNorm
+    ``x * rsqrt(mean(x^2) + eps) * w`` (what speculators' teacher applies); else a one-line
+    :class:`ModelConfigError` naming the norm's class.
 
     Checked numerically on the module the target's own architecture builds, carrying the
     checkpoint's tensors (:func:`load_final_norm`): a class name cannot tell Gemma's
@@ -164,7 +193,7 @@ def plain_rms_norm_weight(
             f"{model_path}: the final norm is {final.class_name}, not an RMSNorm "
             f"x*rsqrt(mean(x^2)+eps)*w"
         )
-    return tensors["weight"].detach().float()
+    return PlainRmsNorm(tensors["weight"].detach().float(), float(eps), str(model_path))
 
 
 def refuse_zero_weights(weight: torch.Tensor, model_path: str | Path) -> None:
@@ -177,16 +206,6 @@ def refuse_zero_weights(weight: torch.Tensor, model_path: str | Path) -> None:
             f"lost in those channels of a post-norm state (extract with "
             f"hidden_states.final_state: pre_norm)"
         )
-
-
-def prenorm_from_postnorm(post: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-    """A pre-norm state whose plain RMSNorm (weight ``norm_weight``, from
-    :func:`plain_rms_norm_weight`) is ``post`` up to the epsilon, in float32.
-
-    ``post = w * x / rms(x)``, so ``post / w = x / rms(x)`` has RMS 1 and the norm maps it
-    back onto ``post``. A zero weight loses information and is refused."""
-    refuse_zero_weights(norm_weight, "the target")
-    return post.float() / norm_weight.float()
 
 
 def _is_plain_rms(norm: torch.nn.Module, eps: float) -> bool:

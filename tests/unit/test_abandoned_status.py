@@ -200,3 +200,17 @@ def test_the_what_if_says_what_cancelled_requests_wasted(tmp_path, capsys) -> No
         f"    already generated: {OUTCOME_TOKENS + CANCELLED} completion tokens, {waste} of them "
         f"wasted ({CANCELLED} of them cancelled in flight, {CANCELLED_ESTIMATED} estimated)\n"
     ) in out
+
+
+def test_a_newer_builds_record_kind_is_named_by_the_status_and_the_dry_run(
+    tmp_path, capsys
+) -> None:
+    """A record kind this build does not know is no outcome and no waste it can count: the
+    status stops in one line naming the journal's line, and the dry run says it for that
+    dataset, instead of counting it (it was an ok of 0 tokens)."""
+    wf = _workflow(tmp_path / "wf", [*JOURNAL, {**_ok(3, 9), "status": "paused"}])
+    where = f"{_journal(wf)}:{len(JOURNAL) + 1}: a record of status 'paused'"
+    assert main(["-d", str(wf)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"eagle3data-status: {where}") and err.count("\n") == 1
+    assert _preview(wf, [])[1].startswith(f"  B2: {where}")

@@ -108,3 +108,30 @@ def test_a_summary_cached_in_an_older_layout_is_read_again(tmp_path: Path) -> No
     summary = journal_summary(journal, cache)
     assert summary["id"].to_list() == ["p0", "p1"]
     assert summary["abandoned"].to_list() == [False, True]
+
+
+def test_a_record_of_a_kind_this_build_does_not_know_is_named_not_counted(
+    tmp_path: Path,
+) -> None:
+    """The status command, the dry run and the report read the journal through the summary:
+    a newer build's record kind is one line naming the file and line (it was counted as an
+    ok outcome of 0 tokens), also when it comes after what the cache already read."""
+    import pytest
+
+    from eagle3data import __version__
+    from eagle3data.errors import JournalCorruptError
+
+    journal = tmp_path / "gen" / "A1" / "k.jsonl"
+    journal.parent.mkdir(parents=True)
+    cache = tmp_path / "cache"
+    journal.write_text("".join(dumps_line(_record(i, 5)) for i in range(2)))
+    assert journal_summary(journal, cache).height == 2
+    with journal.open("a") as fh:
+        fh.write(dumps_line(_record(2, 5)))
+        fh.write(dumps_line({"id": "p3", "prompt_hash": "h", "status": "paused"}))
+    for cached in (cache, None):
+        with pytest.raises(JournalCorruptError) as caught:
+            journal_summary(journal, cached)
+        message = str(caught.value)
+        assert message.startswith(f"{journal}:4: a record of status 'paused'")
+        assert f"eagle3data {__version__}" in message and "\n" not in message

@@ -43,11 +43,25 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 import polars as pl
 
+from .. import __version__
 from ..atomic import dumps_line
+from ..errors import JournalCorruptError
 from ..turn_ids import TurnTokenIds
 
 # Every kind of record a journal holds (the docstring above); a reader refuses others.
 RECORD_STATUSES = ("ok", "failed", "abandoned")
+
+
+def unknown_status(where: str, line: int, status: object) -> JournalCorruptError:
+    """The one-line error for a record of a kind this build does not know (builds from
+    before "abandoned" read such a record as an outcome and crashed deep inside; from here
+    on a kind this build does not know is named, by the driver and the summaries alike)."""
+    return JournalCorruptError(
+        f"{where}:{line}: a record of status {status!r}, which this build "
+        f"(eagle3data {__version__}) does not know (it reads "
+        f"{', '.join(RECORD_STATUSES)}): a newer eagle3data wrote it; run that one, "
+        "or move the journal away to generate again"
+    )
 
 
 class Turn(TypedDict):
@@ -200,11 +214,17 @@ SUMMARY_SCHEMA = {
 }
 
 
-def summarise_lines(chunk: bytes) -> pl.DataFrame:
-    """One :data:`SUMMARY_SCHEMA` row per complete JSON line of ``chunk``."""
+def summarise_lines(chunk: bytes, where: str = "journal", first_line: int = 1) -> pl.DataFrame:
+    """One :data:`SUMMARY_SCHEMA` row per complete JSON line of ``chunk`` (lines
+    ``first_line``.. of the journal ``where``); a record of a status this build does not
+    know is refused, naming its line (it is no outcome and no waste this build can count)."""
     if not chunk.strip():
         return pl.DataFrame(schema=SUMMARY_SCHEMA)
     raw = pl.read_ndjson(io.BytesIO(chunk), schema=RECORD_SCHEMA)
+    known = pl.col("status").is_in(RECORD_STATUSES).fill_null(False)
+    odd = raw.with_row_index("line").filter(~known).head(1)
+    if odd.height:
+        raise unknown_status(where, first_line + int(odd["line"][0]), odd["status"][0])
     failed = pl.col("status") == "failed"
     abandoned = pl.col("status") == "abandoned"
     completion = pl.col("usage").struct.field("completion_tokens")

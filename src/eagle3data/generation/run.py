@@ -8,8 +8,6 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from .. import __version__
-from ..errors import JournalCorruptError
 from .budget import (
     LengthFit,
     LengthModel,
@@ -29,6 +27,7 @@ from .records import (
     is_failed,
     is_outcome,
     spent_tokens,
+    unknown_status,
 )
 from .run_state import Progress, ServedLog, TokenClock
 
@@ -46,14 +45,7 @@ def load_journal(job: GenerationJob) -> tuple[dict[str, JournalRecord], list[Aba
     for lineno, rec in enumerate(read_journal(job.journal), start=1):  # a record a line
         status = rec.get("status") if isinstance(rec, dict) else None
         if status not in RECORD_STATUSES:
-            # Builds from before "abandoned" read such a record as an outcome and crashed
-            # deep inside; from here on a kind this build does not know is named.
-            raise JournalCorruptError(
-                f"{job.journal}:{lineno}: a record of status {status!r}, which this build "
-                f"(eagle3data {__version__}) does not know (it reads "
-                f"{', '.join(RECORD_STATUSES)}): a newer eagle3data wrote it; run that one, "
-                "or move the journal away to generate again"
-            )
+            raise unknown_status(str(job.journal), lineno, status)
         pid = rec.get("id")
         if wanted.get(pid) != rec.get("prompt_hash"):
             continue

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import polars as pl
 
+from ..errors import JournalCorruptError
 from ..generation.records import SUMMARY_SCHEMA
 from ..generation.settings import journal_key
 from ..hidden_states.settings import CaptureSettings
@@ -188,9 +189,20 @@ def preview_lines(config: Mapping[str, Any], results: Results | None = None) -> 
     """The dry run's summary: generation still to do, then hidden-state bytes per
     dataset, their total and the free disk."""
     results = results or Results()
-    progress = {ds: generation_progress(config, ds, results) for ds in config["datasets"]}
+    progress: dict[str, DatasetProgress | None] = {}
+    unreadable: dict[str, str] = {}
+    for ds in config["datasets"]:
+        try:
+            progress[ds] = generation_progress(config, ds, results)
+        except JournalCorruptError as exc:  # the generate job stops on it with this line
+            progress[ds], unreadable[ds] = None, str(exc)
     lines = ["Generation (from the journals; see docs/reference/status.md, 'Dry run'):"]
-    lines += [generation_line(config, ds, progress[ds], results) for ds in config["datasets"]]
+    lines += [
+        f"  {ds}: {unreadable[ds]}"
+        if ds in unreadable
+        else generation_line(config, ds, progress[ds], results)
+        for ds in config["datasets"]
+    ]
     per_token = model_bytes_per_token(config)
     estimates = [estimate_from(config, ds, progress[ds], per_token) for ds in config["datasets"]]
     lines.append("Hidden-state estimate (from the files on disk):")

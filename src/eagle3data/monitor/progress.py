@@ -52,7 +52,7 @@ def journal_summary(journal: Path, cache_dir: Path | None = None) -> pl.DataFram
     complete = data[: data.rfind(b"\n") + 1]
     if not complete:
         return cached
-    summary = pl.concat([cached, summarise_lines(complete)])
+    summary = pl.concat([cached, summarise_lines(complete, str(journal), cached.height + 1)])
     if table is not None and meta is not None:
         try:
             with atomic_path(table) as tmp:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import load_config, schema_for
+from ..errors import UserError
 from ..layout import Results
 from .preview import model_bytes_per_token
 from .report_data import BudgetBar, BudgetUse, JournalSeries, journal_note
@@ -130,9 +131,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg["model"]["path"] = str(args.directory / cfg["model"]["path"])
     results, now = Results(args.directory), time.time()
     only = {c.dataset for c in changes} or None  # a what-if is about the datasets it changes
-    shots = snapshots(changed, results, now, only)
+    try:
+        shots = snapshots(changed, results, now, only)
+        current = shots if changed is config else snapshots(config, results, now, only)
+    except UserError as exc:  # e.g. a journal holding a newer build's kind of record
+        print(f"eagle3data-status: {exc}", file=sys.stderr)
+        return 2
     rows = [s.status for s in shots]
-    before = {r.dataset: r for r in (s.status for s in snapshots(config, results, now, only))}
+    before = {r.dataset: r for r in (s.status for s in current)}
     if args.json:
         out: dict[str, Any] = {
             "bytes_per_token": model_bytes_per_token(changed),

@@ -466,3 +466,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":  # PYTHONPATH=tests .venv/bin/python -m support.vllm_server
     sys.exit(main())
+
+
+def image_capture_server(
+    model: str | os.PathLike[str],
+    capture: HiddenStateCapture,
+    flags: list[str],
+    log_path: Path,
+    extra_env: Mapping[str, str] | None = None,
+) -> VLLMServer:
+    """One vLLM server that generates and captures for an image-text target: torchvision on
+    its path, no reasoning or tool parsers (the tiny targets' templates have none)."""
+    return VLLMServer(
+        model,
+        vision=True,
+        capture=capture,
+        reasoning_parser=None,
+        tool_call_parser=None,
+        extra_args=flags,
+        extra_env=extra_env,
+        log_path=log_path,
+    )
+
+
+def greedy_generation(server: VLLMServer, max_tokens: int = 6) -> dict[str, Any]:
+    """The ``generation`` settings that send a workflow's prompts to the started ``server``,
+    greedily, ``max_tokens`` each."""
+    return {
+        "backend": "openai",
+        "endpoints": [server.url],
+        "served_model": server.model_name,
+        "sampling": {"temperature": 0.0, "max_tokens": max_tokens},
+    }

@@ -31,7 +31,14 @@ import pytest
 import torch
 from PIL import Image
 from support.image_prompts import image_url, png, text, user
-from support.vllm_server import HiddenStateCapture, VLLMServer, VLLMServerError, vision_problem
+from support.vllm_server import (
+    HiddenStateCapture,
+    VLLMServer,
+    VLLMServerError,
+    greedy_generation,
+    image_capture_server,
+    vision_problem,
+)
 from support.vlm_models import QWEN2_VL_IMAGE_TOKEN, make_qwen2_vl_dir, qwen2_vl_processor
 from support.workflow import Workflow, new_workflow, read_shard_states, write_prompts
 
@@ -113,26 +120,13 @@ def image_run(base: Path) -> Iterator[Workflow]:
     capture = HiddenStateCapture(
         vllm_layer_ids(resolve_aux_layers(AUX_LAYERS, 4, "layer_output")), base / "storage"
     )
-    with VLLMServer(
-        model,
-        vision=True,
-        capture=capture,
-        reasoning_parser=None,
-        tool_call_parser=None,
-        extra_args=SERVER_FLAGS,
-        log_path=base / "server.log",
-    ) as server:
+    with image_capture_server(model, capture, SERVER_FLAGS, base / "server.log") as server:
         wf = new_workflow(
             base,
             model,
             {DATASET: {"path": str(base / "data" / f"{DATASET}.jsonl"), "format": "messages"}},
             model={"trust_remote_code": True},
-            generation={
-                "backend": "openai",
-                "endpoints": [server.url],
-                "served_model": server.model_name,
-                "sampling": {"temperature": 0.0, "max_tokens": 6},
-            },
+            generation=greedy_generation(server),
             hidden_states={
                 "backend": "vllm",
                 "dtype": "float32",

@@ -25,7 +25,12 @@ import pytest
 import torch
 from PIL import Image
 from support.image_prompts import image_url, png, text, user
-from support.vllm_server import HiddenStateCapture, VLLMServer, vision_problem
+from support.vllm_server import (
+    HiddenStateCapture,
+    greedy_generation,
+    image_capture_server,
+    vision_problem,
+)
 from support.vlm_models import (
     KIMI_IMAGE_TOKEN_ID,
     add_kimi_vllm_keys,
@@ -76,27 +81,13 @@ def kimi_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     prompts = write_prompts(base / f"{DATASET}.jsonl", records)
     aux = resolve_aux_layers("auto", 8, "layer_output")
     capture = HiddenStateCapture(vllm_layer_ids(aux), base / "storage")
-    with VLLMServer(
-        model,
-        vision=True,
-        capture=capture,
-        reasoning_parser=None,
-        tool_call_parser=None,
-        extra_args=SERVER_FLAGS,
-        extra_env=cache,
-        log_path=base / "server.log",
-    ) as server:
+    with image_capture_server(model, capture, SERVER_FLAGS, base / "server.log", cache) as server:
         wf = new_workflow(
             base,
             model,
             {DATASET: {"path": str(prompts), "format": "messages"}},
             model={"trust_remote_code": True, "chat_template_kwargs": {"thinking": False}},
-            generation={
-                "backend": "openai",
-                "endpoints": [server.url],
-                "served_model": server.model_name,
-                "sampling": {"temperature": 0.0, "max_tokens": 6},
-            },
+            generation=greedy_generation(server),
             hidden_states={"backend": "vllm", "dtype": "float32", "vllm": {"url": server.url}},
         )
         wf.env.update(cache)

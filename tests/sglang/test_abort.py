@@ -24,6 +24,13 @@ Qwen3 at ~135 tokens/s (the same with the default 4 s check, by a script):
   4.06 s and 4.15 s after it arrived with the default 4 s (~500 tokens each, counted in
   ``generation_tokens_total``, one more abort each in ``num_aborted_requests_total``).
 
+A second server with a KV cache too small for what it admits (``--max-total-tokens 700``,
+``--schedule-conservativeness 0.05``): when the cache is full SGLang retracts a decoding
+request back to its queue ("KV cache pool is full. Retract requests." in its log), and
+``/v1/loads?include=core,queues`` says ``queues.retracted`` (how many its last retraction
+sent back) until its next decode-stats log: about 0.3 s here, the queue holding the
+retracted request among the waiting; the request later finishes whole.
+
 Re-record (``tests/data/sglang/queue/`` and ``tests/data/sglang/metrics.txt``):
 ``EAGLE3DATA_RECORD_SGLANG=tests/data/sglang .venv-sglang/bin/pytest tests/sglang/test_abort.py``.
 The replies live in a subfolder because ``test_generate_server.py`` holds the top level of
@@ -47,6 +54,8 @@ from support.local_server import parse_metrics
 from support.real_servers import SERVED_MODEL, trimmed_metrics, wait_for
 from support.sglang_server import RECORD_ENV, SGLangServer
 from support.target_models import make_qwen3_dir
+
+from eagle3data.servers.queue import SGLangLoads
 
 pytestmark = pytest.mark.e2e
 
@@ -109,8 +118,8 @@ class Request(threading.Thread):
         self.reply = json.loads(raw)
 
 
-def loads(server: SGLangServer) -> dict[str, Any]:
-    status, body = server.get("/v1/loads?include=core")
+def loads(server: SGLangServer, route: str = "/v1/loads?include=core") -> dict[str, Any]:
+    status, body = server.get(route)
     assert status == 200, body
     return dict(body)
 
@@ -123,6 +132,39 @@ def record(name: str, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = data if isinstance(data, str) else json.dumps(data, indent=1, ensure_ascii=False) + "\n"
     path.write_text(text, encoding="utf-8")
+
+
+def test_a_retraction_shows_in_the_queue_gauge(tmp_path: Path) -> None:
+    """Requests SGLang sends back to its queue after decoding them (a full KV cache) wait
+    there with what they decoded: the gauge the driver reads says so
+    (``servers.queue.SGLangLoads``: ``retracted``), so it is not read as this job's newest
+    requests waiting (``servers.queue.SentBack``)."""
+    model = make_qwen3_dir(tmp_path / "tiny-qwen3", context=4096)
+    extra = ("--max-total-tokens", "700", "--max-running-requests", "8")
+    extra += ("--schedule-conservativeness", "0.05")
+    route = SGLangLoads.route
+    with SGLangServer(model, log_path=tmp_path / "server.log", extra_args=extra) as server:
+        # Not ignore_eos: SGLang reserves all of max_tokens for those and admits one.
+        bodies = [{**long_chat(max_tokens=400), "ignore_eos": False} for _ in range(8)]
+        for i, body in enumerate(bodies):
+            body["messages"] = [{"role": "user", "content": f"Tell me a long story, number {i}"}]
+        requests = [Request(server, body) for body in bodies]
+        retracted = []
+        while any(r.is_alive() for r in requests):
+            body = loads(server, route)
+            if any((load.get("queues") or {}).get("retracted") for load in body["loads"]):
+                retracted.append(body)
+            time.sleep(0.02)
+        log = (tmp_path / "server.log").read_text()
+    assert "KV cache pool is full. Retract requests." in log
+    assert retracted, "no reading showed the retraction"
+    queue = SGLangLoads().parse(json.dumps(retracted[0]))
+    assert queue is not None and queue.retracted and queue.waiting > 0
+    assert all(r.status == 200 for r in requests)
+    record(
+        "queue/loads_retracted.json",
+        {"request": {"get": route}, "status": 200, "response": retracted[0]},
+    )
 
 
 def test_abort_by_rid_answers_the_request_with_what_it_decoded(server: SGLangServer) -> None:

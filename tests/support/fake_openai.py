@@ -831,7 +831,9 @@ class FakeOpenAI:
         """SGLang's ``GET /v1/loads`` (``include=core``), in the shape SGLang 0.5.23 sent
         (``tests/data/sglang/queue/loads.json``): one data-parallel rank whose
         ``num_running_reqs`` and ``num_waiting_reqs`` are the fake's slots in use and its
-        queue; the other figures are 0."""
+        queue; the other figures are 0. The ``queues`` section SGLang adds for
+        ``include=queues`` is left out (as by a server before it): the fake retracts
+        nothing."""
         stats = self.stats
         now = time.time()
         load: dict[str, Any] = {

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from eagle3data.servers.queue import (
+    SentBack,
     SentRequest,
     ServerQueue,
     SGLangLoads,
@@ -95,8 +96,39 @@ def test_several_data_parallel_queues_are_not_read_as_one() -> None:
     assert queued_positions(SENT, {"a": queue}) == set()
 
 
-def test_a_queue_vllm_has_preempted_into_is_not_read_as_free() -> None:
-    """vLLM puts preempted requests back among the waiting, with what they decoded."""
-    queue = ServerQueue(running=3, waiting=1, queues_waiting=1, preemptions=5)
-    assert queued_positions(SENT, {"a": queue}, {"a": 5}) == {3}
-    assert queued_positions(SENT, {"a": queue}, {"a": 4}) == set()
+def _read(sent_back: SentBack, queue: ServerQueue) -> set[int]:
+    """One reading of server "a" as the driver makes it."""
+    sent_back.update({"a": queue})
+    return queued_positions(SENT, {"a": queue}, sent_back.endpoints)
+
+
+def test_a_queue_vllm_has_preempted_into_is_not_read_as_free_until_it_empties() -> None:
+    """vLLM puts preempted requests back among the waiting, with what they decoded: from
+    the reading whose counter moved until one shows the queue empty."""
+    sent_back = SentBack()
+    assert _read(sent_back, ServerQueue(3, 1, 1, preemptions=5)) == {3}
+    assert _read(sent_back, ServerQueue(3, 1, 1, preemptions=6)) == set()
+    assert _read(sent_back, ServerQueue(3, 1, 1, preemptions=6)) == set()
+    assert _read(sent_back, ServerQueue(4, 0, 0, preemptions=6)) == set()  # none waits
+    assert _read(sent_back, ServerQueue(3, 1, 1, preemptions=6)) == {3}
+    # A server whose counter is not seen at first is not taken for preempting later.
+    assert _read(SentBack(), ServerQueue(3, 1, 1)) == {3}
+
+
+def test_sglangs_retractions_are_read_from_its_loads() -> None:
+    """Real SGLang 0.5.23 with its KV cache full (tests/sglang/test_abort.py): a decoding
+    request retracted to the queue shows as ``queues.retracted`` for a while; until a
+    reading shows the queue empty, the waiting are not read as our newest."""
+    recorded = json.loads((DATA / "sglang" / "queue" / "loads_retracted.json").read_text())
+    assert recorded["request"]["get"] == SGLangLoads.route
+    queue = SGLangLoads().parse(json.dumps(recorded["response"]))
+    assert queue == ServerQueue(running=1, waiting=7, queues_waiting=1, retracted=True)
+    # The load of a request before (``include=core`` only): nothing said, nothing retracted.
+    before = json.loads((DATA / "sglang" / "queue" / "loads.json").read_text())["response"]
+    assert SGLangLoads().parse(json.dumps(before)) == ServerQueue(1, 1, 1)
+    sent_back = SentBack()
+    assert _read(sent_back, ServerQueue(1, 3, 1)) == {1, 2, 3}
+    assert _read(sent_back, ServerQueue(1, 3, 1, retracted=True)) == set()
+    assert _read(sent_back, ServerQueue(1, 3, 1)) == set()  # the flag gone, the request not
+    assert _read(sent_back, ServerQueue(4, 0, 0)) == set()
+    assert _read(sent_back, ServerQueue(1, 3, 1)) == {1, 2, 3}

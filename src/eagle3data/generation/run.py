@@ -8,6 +8,7 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from ..servers.queue import SentBack
 from .budget import (
     LengthFit,
     LengthModel,
@@ -89,9 +90,9 @@ class Run:
         self.clock = TokenClock()
         self.engine_notes: dict[str, int] = {}  # the HTTP engine's counters (stats)
         self.served = ServedLog()
-        # Each server's preemption counter at its gauge's first reading, and the servers
-        # whose gauge was once found to count others' requests (said once each).
-        self.preemptions_before: dict[str, int | None] = {}
+        # The servers that may hold requests sent back to their queue, and those whose
+        # gauge was once found to count others' requests (said once each).
+        self.sent_back = SentBack()
         self.gauges_not_ours: set[str] = set()
 
     def expected_tokens(self, capacity: int) -> float:

@@ -172,10 +172,9 @@ async def _follow_queues(
     asked = time.monotonic()
     queues = await engine.server_queues()
     took = time.monotonic() - asked
-    for endpoint, queue in queues.items():  # counted from the first reading on
-        run.preemptions_before.setdefault(endpoint, queue.preemptions)
+    run.sent_back.update(queues)
     requests = [SentRequest(f.pos, f.trace.endpoint, f.trace.sent_at) for f in in_flight.values()]
-    queued = queued_positions(requests, queues, run.preemptions_before)
+    queued = queued_positions(requests, queues, run.sent_back.endpoints)
     _say_unattributable(run, requests, queues)
     for flight in in_flight.values():
         if flight.pos in queued:
@@ -199,21 +198,22 @@ async def _follow_queues(
 def _say_unattributable(
     run: Run, requests: Sequence[SentRequest], queues: Mapping[str, ServerQueue]
 ) -> None:
-    """Once per server: its gauge counts more than this job's requests, so its waiting
-    ones are not read as ours (servers.queue.ServerQueue.attributable)."""
+    """Once per server: its gauge cannot be read as this job's alone, so its waiting
+    requests are not taken for ours (servers.queue.ServerQueue.attributable)."""
     ours: dict[str, int] = {}
     for request in requests:
         if request.endpoint is not None and request.sent_at is not None:
             ours[request.endpoint] = ours.get(request.endpoint, 0) + 1
     for endpoint, queue in queues.items():
-        before = run.preemptions_before.get(endpoint)
-        if endpoint in run.gauges_not_ours or queue.attributable(ours.get(endpoint, 0), before):
+        sent_back = endpoint in run.sent_back.endpoints
+        if endpoint in run.gauges_not_ours or queue.attributable(ours.get(endpoint, 0), sent_back):
             continue
         run.gauges_not_ours.add(endpoint)
         log.info(
-            "%s: %s's queue holds requests that are not this job's (%d running, %d waiting "
-            "for our %d; another client, several data-parallel queues or preemptions): its "
-            "waiting requests are not taken for ours, nothing decoding is cancelled as free",
+            "%s: %s's waiting requests are not taken for ours (%d running, %d waiting for our "
+            "%d: another client, several data-parallel queues, or requests it sent back to "
+            "its queue after decoding them, preempted or retracted); nothing decoding is "
+            "cancelled as free",
             run.job.dataset,
             endpoint,
             queue.running,

@@ -12,16 +12,22 @@ none of them sent back to it after decoding. It does not (:meth:`ServerQueue.att
 when the server holds more requests than this client has there (another client: the other
 datasets' jobs, a capture job on the same server, someone else), when several data-parallel
 ranks keep a queue each (requests are spread over them, so the newest overall are not the
-ones waiting), or when vLLM has preempted requests since the gauge was first read (it puts
-them back among the waiting, with what they decoded). The gauge is then not used that time:
-nothing of ours is read as waiting, so nothing decoding is cancelled as "free".
+ones waiting), or when the server has sent decoding requests back to its queue (vLLM
+preempts, SGLang retracts them when the KV cache is full: they wait again with what they
+decoded, among the oldest), until a reading shows its queue empty (:class:`SentBack`). The
+gauge is then not used that time: nothing of ours is read as waiting, so nothing decoding is
+cancelled as "free".
 
 Where the gauges are:
 
-* SGLang 0.5.23: ``GET /v1/loads?include=core``, per data-parallel rank ``num_running_reqs``
-  and ``num_waiting_reqs`` (no ``--enable-metrics`` needed);
+* SGLang 0.5.23: ``GET /v1/loads?include=core,queues``, per data-parallel rank
+  ``num_running_reqs`` and ``num_waiting_reqs`` (no ``--enable-metrics`` needed), and
+  ``queues.retracted``: how many requests its last retraction sent back, kept until its next
+  decode-stats log (40 decode steps; seen for ~0.3 s on the CPU server), so a retraction
+  between two readings can go unseen;
 * vLLM 0.32: ``GET /metrics`` (Prometheus text, always on), ``vllm:num_requests_running``
-  and ``vllm:num_requests_waiting``, one sample per engine.
+  and ``vllm:num_requests_waiting``, one sample per engine, and the counter
+  ``vllm:num_preemptions_total``.
 
 Other servers (llama.cpp) report none: the driver then plans without them.
 """
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,15 +47,39 @@ class ServerQueue:
     waiting: int  # requests in the server's queue, not started (or sent back: preempted)
     queues_waiting: int = 0  # data-parallel ranks (engines) with requests waiting
     preemptions: int | None = None  # vLLM's preemptions so far (a counter); None: unsaid
+    retracted: bool = False  # SGLang says it lately sent decoding requests back to the queue
 
-    def attributable(self, ours: int, preemptions_before: int | None) -> bool:
+    def attributable(self, ours: int, sent_back: bool = False) -> bool:
         """Whether its waiting requests are the newest of this client's ``ours`` requests
-        there (module docstring); ``preemptions_before``: the counter when first read."""
+        there (module docstring); ``sent_back``: the server may have decoding requests back
+        in its queue (:class:`SentBack`)."""
         if self.waiting <= 0:
             return True  # nothing waits: none of ours either
         if self.queues_waiting > 1 or self.running + self.waiting > ours:
             return False
-        return self.preemptions is None or self.preemptions == preemptions_before
+        return not sent_back
+
+
+class SentBack:
+    """The servers that may hold requests they sent back to their queue after decoding
+    them: from a reading that shows a preemption (vLLM's counter moved) or a retraction
+    (SGLang's ``queues.retracted``) until one shows the queue empty (a request sent back
+    waits there until it runs again), as the gauges of one run are read."""
+
+    def __init__(self) -> None:
+        self.endpoints: set[str] = set()
+        self._preemptions: dict[str, int | None] = {}  # the counter when none waited
+
+    def update(self, queues: Mapping[str, ServerQueue]) -> None:
+        for endpoint, queue in queues.items():
+            before = self._preemptions.setdefault(endpoint, queue.preemptions)
+            if queue.waiting <= 0:
+                self.endpoints.discard(endpoint)
+                self._preemptions[endpoint] = queue.preemptions
+            elif queue.retracted or (
+                None not in (before, queue.preemptions) and queue.preemptions != before
+            ):
+                self.endpoints.add(endpoint)
 
 
 class QueueGauge(Protocol):
@@ -61,16 +91,19 @@ class QueueGauge(Protocol):
 class SGLangLoads:
     """SGLang's ``/v1/loads`` JSON, summed over data-parallel ranks."""
 
-    route = "/v1/loads?include=core"
+    route = "/v1/loads?include=core,queues"
 
     def parse(self, text: str) -> ServerQueue | None:
         try:
             loads = json.loads(text)["loads"]
             running = sum(int(load["num_running_reqs"]) for load in loads)
             waits = [int(load["num_waiting_reqs"]) for load in loads]
-        except (ValueError, KeyError, TypeError):
+            retracted = sum(int((load.get("queues") or {}).get("retracted", 0)) for load in loads)
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
-        return ServerQueue(running, sum(waits), sum(1 for w in waits if w > 0))
+        return ServerQueue(
+            running, sum(waits), sum(1 for w in waits if w > 0), retracted=retracted > 0
+        )
 
 
 # One sample line of the Prometheus text format: name, optional {labels}, value. Two gauges
@@ -138,13 +171,13 @@ class SentRequest:
 def queued_positions(
     requests: Iterable[SentRequest],
     queues: Mapping[str, ServerQueue],
-    preemptions_before: Mapping[str, int | None] | None = None,
+    sent_back: Collection[str] = (),
 ) -> set[int]:
     """Positions whose request has not started decoding: not sent yet, or among the newest
     ``waiting`` of this client's requests on a server whose gauge can be read so
-    (:meth:`ServerQueue.attributable`; ``preemptions_before``: each server's preemption
-    counter when first read). Requests to a server that reported nothing, or whose gauge
-    cannot be attributed, count as started."""
+    (:meth:`ServerQueue.attributable`; ``sent_back``: the servers that may hold requests
+    sent back to their queue, :attr:`SentBack.endpoints`). Requests to a server that
+    reported nothing, or whose gauge cannot be attributed, count as started."""
     queued = set()
     by_endpoint: dict[str, list[SentRequest]] = {}
     for request in requests:
@@ -156,8 +189,7 @@ def queued_positions(
         queue = queues.get(endpoint)
         if queue is None or queue.waiting <= 0:
             continue
-        before = (preemptions_before or {}).get(endpoint, queue.preemptions)
-        if not queue.attributable(len(sent), before):
+        if not queue.attributable(len(sent), endpoint in sent_back):
             continue
         sent.sort(key=lambda r: r.sent_at or 0.0)
         queued.update(r.pos for r in sent[-queue.waiting :])

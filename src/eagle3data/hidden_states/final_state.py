@@ -12,12 +12,13 @@ The ``final_state`` attribute says which (shards written before ``pre_norm`` exi
 the target's own architecture builds, carrying the checkpoint's weights, so applying it
 to a pre-norm state gives what the target computed, for any norm class (RMSNorm, Gemma's
 ``1 + w``, LayerNorm). The inverse does not exist in general (a plain RMSNorm loses each
-token's scale). One case needs no inverse: a trainer whose teacher applies the plain RMSNorm
-``x * rsqrt(mean(x^2) + eps) * w`` itself (vLLM speculators) takes a state that norm maps
-back onto ``post`` (:meth:`PlainRmsNorm.prenorm_of`: ``post / w`` is ``x`` up to a scale,
-and the epsilon says which scale). :func:`plain_rms_norm` checks numerically that the
-target's norm is that formula and gives ``w`` and ``eps``; the speculators export and the
-draft check both go through it.
+token's scale wherever the state is large against its epsilon). One case needs only a state
+the norm maps back onto ``post``: a trainer whose teacher applies the plain RMSNorm
+``x * rsqrt(mean(x^2) + eps) * w`` itself (vLLM speculators) takes
+:meth:`PlainRmsNorm.prenorm_of` (``post / w`` is ``x`` up to a scale per token, which the
+epsilon gives back where it still shows, and which the norm ignores where it does not).
+:func:`plain_rms_norm` checks numerically that the target's norm is that formula and gives
+``w`` and ``eps``; the speculators export and the draft check both go through it.
 """
 
 from __future__ import annotations
